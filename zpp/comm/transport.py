@@ -1,0 +1,222 @@
+"""The Transport interface: the few collectives zpp's algorithms need.
+
+A backend (``torch.distributed``, MPI) subclasses :class:`Transport` and implements the
+underscored methods on already-validated, contiguous tensors. Everything common lives here,
+once: argument checks, the cross-rank metadata check, and wire-byte accounting
+(see [Note: what is counted] in :mod:`zpp.comm.counters`).
+
+[Note: metadata check]
+With ``check_metadata=True`` (the default) every call first all-gathers a few int64 words
+(op, element count, dtype) over the backend, and every rank raises the same ``ValueError``
+if they differ; mismatched calls thus fail on every rank instead of hanging or reading
+garbage. It costs one tiny collective per call; switch it off for speed once a job runs.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import torch
+
+from zpp.comm.counters import WireCounters
+
+_OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4, "broadcast": 5}
+_DTYPE_CODES = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
+    torch.uint8: 5, torch.int8: 6, torch.int32: 7, torch.int64: 8, torch.bool: 9,
+}
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class Transport(abc.ABC):
+    """A group of ranks that can run collectives together.
+
+    Attributes:
+        rank: this process's index in the group.
+        world_size: number of ranks in the group.
+        ranks: global rank of each member, in group order.
+        nodes: node index of each member, in group order (drives intra/inter accounting).
+        counters: wire-byte counters, shared with sub-transports.
+        check_metadata: run the cross-rank size check before each call (Default: True).
+    """
+
+    name: str = "abstract"
+    #: dtypes this backend can carry; others raise TypeError.
+    supported_dtypes: tuple[torch.dtype, ...] = tuple(_DTYPE_CODES)
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        ranks: Sequence[int],
+        nodes: Sequence[int],
+        counters: WireCounters | None = None,
+        check_metadata: bool = True,
+    ) -> None:
+        if len(ranks) != world_size or len(nodes) != world_size:
+            raise ValueError(f"{world_size=} but {len(ranks)=} and {len(nodes)=}")
+        self.rank = rank
+        self.world_size = world_size
+        self.ranks = tuple(ranks)
+        self.nodes = tuple(nodes)
+        self.counters = counters if counters is not None else WireCounters()
+        self.check_metadata = check_metadata
+
+    # ------------------------------------------------------------------ backend hooks
+    @abc.abstractmethod
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, t: torch.Tensor, op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, t: torch.Tensor, src: int) -> None: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    @abc.abstractmethod
+    def _subgroup(self, members: tuple[int, ...]) -> Transport | None:
+        """A transport over group-local ``members`` (sorted), or None on non-members.
+        Called by every rank of this group with the same ``members``."""
+
+    # ------------------------------------------------------------------ public API
+    def subgroup(self, members: Sequence[int]) -> Transport | None:
+        """Sub-transport over the group-local ranks ``members``; ``None`` on ranks outside it.
+        Collective: every rank of this transport must call it with the same list."""
+        m = tuple(sorted(int(r) for r in members))
+        if not m or len(set(m)) != len(m) or m[0] < 0 or m[-1] >= self.world_size:
+            raise ValueError(f"subgroup members {list(members)} invalid for world_size={self.world_size}")
+        return self._subgroup(m)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` (``world_size * inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
+        self._check("all_gather", inp, out)
+        if out.numel() != inp.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather: out has {out.numel()} elements, expected world_size*inp = "
+                f"{self.world_size}*{inp.numel()}"
+            )
+        self._meta("all_gather", inp)
+        nb = _nbytes(inp)
+        self._account("all_gather", _nbytes(out), [nb] * self.world_size)
+        if self.world_size == 1:
+            out.reshape(-1).copy_(inp.reshape(-1))
+            return
+        self._all_gather(out, inp)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "mean") -> None:
+        """``out`` receives slice ``rank`` of the element-wise ``op`` ("sum"/"mean") of every ``inp``."""
+        self._check("reduce_scatter", inp, out)
+        if op not in ("sum", "mean"):
+            raise ValueError(f"reduce_scatter: op={op!r} must be 'sum' or 'mean'")
+        if inp.numel() != out.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter: inp has {inp.numel()} elements, expected world_size*out = "
+                f"{self.world_size}*{out.numel()}"
+            )
+        self._meta("reduce_scatter", inp)
+        self._account("reduce_scatter", _nbytes(inp), [_nbytes(out)] * self.world_size)
+        if self.world_size == 1:
+            out.reshape(-1).copy_(inp.reshape(-1))
+            return
+        self._reduce_scatter(out, inp, op)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        """In place: ``t`` becomes the element-wise ``op`` (sum, mean, max, min) over ranks."""
+        self._check("all_reduce", t)
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce: op={op!r} must be one of {REDUCE_OPS}")
+        self._meta("all_reduce", t)
+        per_peer = 2 * _nbytes(t) // self.world_size
+        self._account("all_reduce", _nbytes(t), [per_peer] * self.world_size)
+        if self.world_size == 1:
+            return
+        self._all_reduce(t, op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Equal splits: slice ``j`` of ``inp`` goes to rank ``j``; slice ``i`` of ``out`` comes from rank ``i``."""
+        self._check("all_to_all", inp, out)
+        if inp.numel() != out.numel() or inp.numel() % self.world_size:
+            raise ValueError(
+                f"all_to_all: inp ({inp.numel()}) and out ({out.numel()}) must have the same "
+                f"number of elements, divisible by world_size={self.world_size}"
+            )
+        self._meta("all_to_all", inp)
+        self._account("all_to_all", _nbytes(inp), [_nbytes(inp) // self.world_size] * self.world_size)
+        if self.world_size == 1:
+            out.reshape(-1).copy_(inp.reshape(-1))
+            return
+        self._all_to_all(out, inp)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """In place: every rank's ``t`` becomes rank ``src``'s."""
+        self._check("broadcast", t)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src={src} outside world_size={self.world_size}")
+        self._meta("broadcast", t, extra=src)
+        sizes = [_nbytes(t) if self.rank == src else 0] * self.world_size
+        self._account("broadcast", _nbytes(t), sizes)
+        if self.world_size == 1:
+            return
+        self._broadcast(t, src)
+
+    # ------------------------------------------------------------------ shared checks
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        dtype = tensors[0].dtype
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: expected torch.Tensor, got {type(t).__name__}")
+            if t.dtype != dtype:
+                raise TypeError(f"{op}: dtypes differ ({dtype} and {t.dtype})")
+            if t.device != tensors[0].device:
+                raise ValueError(f"{op}: devices differ ({tensors[0].device} and {t.device})")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: tensors must be contiguous ({t.shape=} {t.stride()=})")
+        if dtype not in self.supported_dtypes:
+            raise TypeError(f"{op}: the {self.name} transport cannot carry dtype {dtype}")
+
+    def _meta(self, op: str, t: torch.Tensor, extra: int = 0) -> None:
+        if not self.check_metadata or self.world_size == 1:
+            return
+        mine = torch.tensor([_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra], dtype=torch.int64)
+        everyone = torch.empty(self.world_size * 4, dtype=torch.int64)
+        self._meta_all_gather(everyone, mine)
+        rows = everyone.view(self.world_size, 4)
+        if not bool((rows == rows[0]).all()):
+            inv = {v: k for k, v in _OPS.items()}
+            desc = ", ".join(
+                f"rank {r}: {inv.get(int(o), '?')} numel={int(n)} dtype#{int(d)} arg={int(e)}"
+                for r, (o, n, d, e) in enumerate(rows.tolist())
+            )
+            raise ValueError(f"{op}: ranks disagree on the call ({desc})")
+
+    def _meta_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """All-gather of small CPU int64 tensors, used by the metadata check (not counted).
+        Backends whose collectives need device tensors override it."""
+        self._all_gather(out, inp)
+
+    def _account(self, op: str, logical: int, per_peer: list[int]) -> None:
+        me = self.nodes[self.rank]
+        intra = inter = 0
+        for peer, nb in enumerate(per_peer):
+            if peer == self.rank:
+                continue
+            if self.nodes[peer] == me:
+                intra += nb
+            else:
+                inter += nb
+        self.counters.record(op, logical, intra, inter)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,155 @@
+"""zpp.quant's public functions: validation, then the kernels of the tensor's device."""
+from __future__ import annotations
+
+import torch
+
+from zpp.quant.dispatch import kernels_for
+from zpp.quant.types import (
+    DEFAULT_GROUP_SIZE,
+    QuantizedTensor,
+    check_dtype,
+    check_params,
+    check_quantized,
+)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"zpp.quant: expected a torch.Tensor, got {type(x).__name__}")
+    check_dtype(x.dtype)
+    return x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    bits: int = 8,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    symmetric: bool = True,
+) -> QuantizedTensor:
+    """Block-quantize ``x`` (fp32, fp16 or bf16; any shape, contiguous or not).
+
+    One fp32 scale per ``group_size`` elements of the flattened tensor (scale and offset
+    when ``symmetric=False``); the last group is padded. See :mod:`zpp.quant.types` for
+    the exact layout and arithmetic.
+    """
+    check_params(bits, group_size)
+    flat = _flat(x)
+    data, scales = kernels_for(flat.device).quantize(flat, bits, group_size, bool(symmetric))
+    return QuantizedTensor(data, scales, x.shape, x.dtype, bits, group_size, bool(symmetric))
+
+
+def dequantize(q: QuantizedTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rebuild a tensor of ``q``'s shape, in ``dtype`` (default: the original dtype)."""
+    check_quantized(q)
+    dtype = q.dtype if dtype is None else dtype
+    check_dtype(dtype, "output")
+    out = kernels_for(q.data.device).dequantize(
+        q.data.reshape(-1), q.scales.reshape(-1), q.numel, q.bits, q.group_size, q.symmetric, dtype
+    )
+    return out.view(q.shape)
+
+
+def reduce_scatter_chunk(numel: int, world: int, group_size: int) -> int:
+    """Elements per rank of a quantized reduce-scatter of ``numel`` elements over ``world``
+    ranks: ``ceil(numel / world)`` rounded up to whole groups, so no group spans two ranks."""
+    if world <= 0:
+        raise ValueError(f"zpp.quant: world={world} must be positive")
+    per_rank = -(-numel // world)
+    return -(-per_rank // group_size) * group_size
+
+
+def swizzle_quantize(
+    x: torch.Tensor,
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    bits: int = 4,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    symmetric: bool = True,
+) -> QuantizedTensor:
+    """Quantize ``x`` for the two-hop (intra-node, then inter-node) reduce-scatter.
+
+    ``x`` is flattened and zero-padded to ``world * chunk`` elements (``chunk`` from
+    :func:`reduce_scatter_chunk`), read as chunks ``[node][local]``, and laid out as
+    ``[local][node]``. The result has shape ``(ranks_per_node, nodes, chunk)``; splitting its
+    payload and scales ``ranks_per_node`` ways gives local rank ``l`` every node's chunk for
+    local rank ``l``, ready for an intra-node all-to-all.
+    """
+    check_params(bits, group_size)
+    for name, v in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"zpp.quant: {name}={v!r} must be a positive integer")
+    flat = _flat(x)
+    chunk = reduce_scatter_chunk(flat.numel(), nodes * ranks_per_node, group_size)
+    data, scales = kernels_for(flat.device).swizzle_quantize(
+        flat, nodes, ranks_per_node, chunk, bits, group_size, bool(symmetric)
+    )
+    shape = torch.Size((ranks_per_node, nodes, chunk))
+    return QuantizedTensor(data, scales, shape, x.dtype, bits, group_size, bool(symmetric))
+
+
+def _slices(q: QuantizedTensor) -> tuple[int, int]:
+    check_quantized(q)
+    if len(q.shape) < 1 or q.shape[0] < 1:
+        raise ValueError(f"zpp.quant: expected k >= 1 slices along dim 0, got shape={tuple(q.shape)}")
+    k = q.shape[0]
+    slice_numel = q.numel // k
+    if slice_numel % q.group_size:
+        raise ValueError(
+            f"zpp.quant: each of the k={k} slices must hold whole groups; slice numel "
+            f"{slice_numel} is not a multiple of group_size={q.group_size}"
+        )
+    return k, slice_numel
+
+
+def requantize_sum(
+    q: QuantizedTensor, *, bits: int | None = None, group_size: int | None = None
+) -> QuantizedTensor:
+    """Fused dequantize -> fp32 sum over dim 0 (in order) -> requantize, in one pass.
+
+    ``q`` holds ``k`` slices along dim 0 (e.g. what an all-to-all delivered); the result has
+    shape ``q.shape[1:]``, with ``bits``/``group_size`` defaulting to ``q``'s.
+    """
+    k, slice_numel = _slices(q)
+    bits = q.bits if bits is None else bits
+    group_size = q.group_size if group_size is None else group_size
+    check_params(bits, group_size)
+    data, scales = kernels_for(q.data.device).reduce_sum(
+        q.data.reshape(-1), q.scales.reshape(-1), k, slice_numel, q.bits, q.group_size,
+        q.symmetric, 1.0, bits, group_size, torch.float32,
+    )
+    return QuantizedTensor(data, scales, torch.Size(q.shape[1:]), q.dtype, bits, group_size, q.symmetric)
+
+
+def dequantize_sum(
+    q: QuantizedTensor, *, divisor: float = 1.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Dequantize ``k`` slices along dim 0, sum in fp32 (in order), divide by ``divisor``."""
+    k, slice_numel = _slices(q)
+    check_dtype(dtype, "output")
+    out = kernels_for(q.data.device).reduce_sum(
+        q.data.reshape(-1), q.scales.reshape(-1), k, slice_numel, q.bits, q.group_size,
+        q.symmetric, float(divisor), None, None, dtype,
+    )
+    return out.view(q.shape[1:])
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """1 bit per element, 8 per byte: bit ``j`` (LSB first) of byte ``i`` is set where
+    ``x.flatten()[8*i + j] >= 0`` (``-0.0`` counts as positive, NaN as negative)."""
+    flat = _flat(x)
+    return kernels_for(flat.device).pack_signs(flat)
+
+
+def unpack_signs(packed: torch.Tensor, numel: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: a flat tensor of ``numel`` values in {-1, +1}."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"zpp.quant: packed signs dtype {packed.dtype} must be torch.uint8")
+    check_dtype(dtype, "output")
+    if numel < 0 or packed.numel() != -(-numel // 8):
+        raise ValueError(
+            f"zpp.quant: {packed.numel()} packed bytes cannot hold numel={numel} signs "
+            f"(expected {-(-max(numel, 0) // 8)})"
+        )
+    return kernels_for(packed.device).unpack_signs(packed.reshape(-1).contiguous(), numel, dtype)

@@ -1,0 +1,61 @@
+"""Which kernel implementation serves a tensor.
+
+CUDA tensors go to :mod:`zpp.quant.cuda` (cupy RawModule kernels); CPU tensors to the
+fused host kernels of :mod:`zpp.quant.cpu` when they build on this machine, else to
+:mod:`zpp.quant.reference`. ``ZPP_QUANT_IMPL=reference|cpu|cuda`` forces one. Every time a
+fast path is unavailable and the reference serves instead, it is counted: see
+:func:`fallback_counts`; it is never silent.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+
+import torch
+
+from zpp.quant import reference
+
+_fallbacks: collections.Counter[str] = collections.Counter()
+_warned: set[str] = set()
+_IMPLS = ("reference", "cpu", "cuda")
+
+
+def _load(name: str):
+    if name == "reference":
+        return reference
+    if name == "cpu":
+        from zpp.quant import cpu
+
+        return cpu.kernels()
+    if name == "cuda":
+        from zpp.quant import cuda
+
+        return cuda.kernels()
+    raise ValueError(f"ZPP_QUANT_IMPL={name!r} is not one of {_IMPLS}")
+
+
+def kernels_for(device: torch.device):
+    """The kernel module for tensors on ``device`` (cached by the loaders themselves)."""
+    forced = os.environ.get("ZPP_QUANT_IMPL")
+    if forced:
+        return _load(forced)
+    want = "cuda" if device.type == "cuda" else "cpu"
+    try:
+        return _load(want)
+    except (ImportError, OSError, RuntimeError) as exc:
+        _fallbacks[want] += 1
+        if want not in _warned:
+            _warned.add(want)
+            warnings.warn(
+                f"zpp.quant: the {want} kernels are unavailable ({exc}); using the "
+                f"plain-torch reference (counted in zpp.quant.fallback_counts())",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return reference
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many quantization calls fell back to the reference, per wanted implementation."""
+    return dict(_fallbacks)
