@@ -116,6 +116,7 @@ class Transport(abc.ABC):
         self._check("reduce_scatter", inp, out)
         if op not in ("sum", "mean"):
             raise ValueError(f"reduce_scatter: op={op!r} must be 'sum' or 'mean'")
+        _check_mean("reduce_scatter", op, inp)
         if inp.numel() != out.numel() * self.world_size:
             raise ValueError(
                 f"reduce_scatter: inp has {inp.numel()} elements, expected world_size*out = "
@@ -133,6 +134,7 @@ class Transport(abc.ABC):
         self._check("all_reduce", t)
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: op={op!r} must be one of {REDUCE_OPS}")
+        _check_mean("all_reduce", op, t)
         self._meta("all_reduce", t)
         per_peer = 2 * _nbytes(t) // self.world_size
         self._account("all_reduce", _nbytes(t), [per_peer] * self.world_size)
@@ -183,19 +185,36 @@ class Transport(abc.ABC):
             raise TypeError(f"{op}: the {self.name} transport cannot carry dtype {dtype}")
 
     def _meta(self, op: str, t: torch.Tensor, extra: int = 0) -> None:
+        self.check_agree(op, (_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra),
+                         ("op", "numel", "dtype#", "arg"))
+
+    def check_agree(self, what: str, values: Sequence[int], names: Sequence[str] | None = None) -> None:
+        """Raise the same ``ValueError`` on every rank unless all ranks pass equal ``values``.
+
+        Collective (every rank must call it); a no-op when ``check_metadata`` is off. Layers
+        above use it for sizes the wire cannot show (e.g. a shard's numel hidden by padding).
+        See [Note: metadata check].
+        """
         if not self.check_metadata or self.world_size == 1:
             return
-        mine = torch.tensor([_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra], dtype=torch.int64)
-        everyone = torch.empty(self.world_size * 4, dtype=torch.int64)
-        self._meta_all_gather(everyone, mine)
-        rows = everyone.view(self.world_size, 4)
+        k = len(values)
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        everyone = torch.empty(self.world_size * k, dtype=torch.int64)
+        try:
+            self._meta_all_gather(everyone, mine)
+        except (TimeoutError, ConnectionError) as exc:
+            raise type(exc)(f"{what} (metadata check): {exc}") from exc
+        rows = everyone.view(self.world_size, k)
         if not bool((rows == rows[0]).all()):
-            inv = {v: k for k, v in _OPS.items()}
-            desc = ", ".join(
-                f"rank {r}: {inv.get(int(o), '?')} numel={int(n)} dtype#{int(d)} arg={int(e)}"
-                for r, (o, n, d, e) in enumerate(rows.tolist())
+            names = list(names) if names else [f"v{i}" for i in range(k)]
+            inv = {v: n for n, v in _OPS.items()}
+            desc = "; ".join(
+                f"rank {r}: " + ", ".join(
+                    f"{n}={inv.get(v, v) if n == 'op' else v}" for n, v in zip(names, row)
+                )
+                for r, row in enumerate(rows.tolist())
             )
-            raise ValueError(f"{op}: ranks disagree on the call ({desc})")
+            raise ValueError(f"{what}: ranks disagree on the call ({desc})")
 
     def _meta_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """All-gather of small CPU int64 tensors, used by the metadata check (not counted).
@@ -216,6 +235,11 @@ class Transport(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
+
+
+def _check_mean(op: str, reduce_op: str, t: torch.Tensor) -> None:
+    if reduce_op == "mean" and not t.dtype.is_floating_point:
+        raise TypeError(f"{op}: op='mean' needs a floating dtype, got {t.dtype}")
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,0 +1,177 @@
+"""Compressed collectives, written once over :class:`~zpp.comm.transport.Transport`.
+
+* :func:`quantized_all_gather` (qwZ): quantize the shard, all-gather payload and scales,
+  dequantize. Plain counterpart: ``Transport.all_gather``.
+* :func:`quantized_reduce_scatter` (qgZ): two all-to-all hops (intra-node, then inter-node)
+  over int4/int8 payloads with a swizzled layout and a fused dequantize-sum-requantize in
+  between. Plain counterparts: :func:`hierarchical_reduce_scatter` (the same two hops in full
+  precision) and ``Transport.reduce_scatter``.
+* The 1-bit error-feedback all-reduce lives in :mod:`zpp.comm.onebit`.
+
+Each one books its transport traffic under its own name with the logical bytes of the data
+it stands for (see [Note: what is counted] in :mod:`zpp.comm.counters`).
+
+[Note: reduce-scatter layout]
+For ``n`` input elements over ``W`` ranks, rank ``r`` owns elements
+``[r*s, (r+1)*s)`` with ``s = ceil(n / W)`` (``out`` holds ``s`` elements; positions past
+``n`` count as zeros). On the wire each slice is padded to ``chunk`` elements, ``s`` rounded
+up to whole quantization groups, so no group spans two ranks. Ranks are node-major:
+global rank ``node * R + local``.
+"""
+from __future__ import annotations
+
+import torch
+
+import zpp.quant as zq
+from zpp.comm.transport import Transport
+from zpp.quant.types import DEFAULT_GROUP_SIZE
+
+__all__ = [
+    "hierarchical_reduce_scatter",
+    "quantized_all_gather",
+    "quantized_reduce_scatter",
+]
+
+
+def quantized_all_gather(
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    *,
+    transport: Transport,
+    bits: int = 8,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> torch.Tensor:
+    """qwZ: ``out`` (``world_size * shard.numel()`` elements) receives every rank's
+    ``dequantize(quantize(shard))`` in rank order, exactly. Any shard size; fp32, fp16 or
+    bf16 (``out`` may have another float dtype than ``shard``)."""
+    world = transport.world_size
+    if out.numel() != world * shard.numel():
+        raise ValueError(
+            f"quantized_all_gather: out has {out.numel()} elements, expected "
+            f"world_size*shard = {world}*{shard.numel()}"
+        )
+    if not out.is_contiguous():
+        raise ValueError(f"quantized_all_gather: out must be contiguous ({out.shape=} {out.stride()=})")
+    # padding hides a shard-size mismatch from the transport's own check
+    transport.check_agree("quantized_all_gather", (shard.numel(),), ("shard numel",))
+    q = zq.quantize(shard, bits=bits, group_size=group_size)
+    data = torch.empty(world * q.data.numel(), dtype=torch.uint8, device=shard.device)
+    scales = torch.empty(world * q.scales.numel(), dtype=torch.float32, device=shard.device)
+    with transport.counters.collective("quantized_all_gather", out.numel() * out.element_size()):
+        transport.all_gather(data, q.data)
+        transport.all_gather(scales, q.scales.reshape(-1))
+    n = shard.numel()
+    padded = q.groups * group_size
+    # Every rank's payload is whole groups, so the gathered payload reads as one tensor.
+    whole = zq.QuantizedTensor(data, scales, torch.Size((world * padded,)), shard.dtype, bits,
+                               group_size, True)
+    if padded == n:
+        out.view(-1).copy_(zq.dequantize(whole, dtype=out.dtype))
+    else:
+        full = zq.dequantize(whole, dtype=out.dtype).view(world, padded)
+        out.view(world, n).copy_(full[:, :n])
+    return out
+
+
+def _slices(out: torch.Tensor, inp: torch.Tensor, world: int, who: str) -> torch.Tensor:
+    """``inp`` as ``(world, s)`` rank slices, zero-padded (see [Note: reduce-scatter layout])."""
+    n = inp.numel()
+    s = -(-n // world)
+    if out.numel() != s:
+        raise ValueError(
+            f"{who}: out has {out.numel()} elements, expected ceil(inp.numel() / world_size) = "
+            f"ceil({n} / {world}) = {s}"
+        )
+    if not out.is_contiguous():
+        raise ValueError(f"{who}: out must be contiguous ({out.shape=} {out.stride()=})")
+    flat = inp.reshape(-1)
+    if n == world * s:
+        return flat.view(world, s)
+    padded = torch.zeros(world * s, dtype=inp.dtype, device=inp.device)
+    padded[:n] = flat
+    return padded.view(world, s)
+
+
+def quantized_reduce_scatter(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    *,
+    topology,
+    bits: int = 4,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> torch.Tensor:
+    """qgZ: ``out`` receives this rank's slice of the MEAN of every rank's ``inp``.
+
+    Hop 1, inside the node: quantize with the swizzled layout, all-to-all, so local rank
+    ``l`` holds every local peer's chunks for the ranks ``(node, l)`` of every node; fused
+    dequantize-sum-requantize. Hop 2, across nodes among ranks with the same local rank:
+    all-to-all, dequantize, sum, divide by the world size. One node is one hop; one rank per
+    node skips hop 1. Any ``inp`` size (see [Note: reduce-scatter layout]).
+    """
+    world = topology.world
+    W, R, N = world.world_size, topology.ranks_per_node, topology.nodes
+    x = _slices(out, inp, W, "quantized_reduce_scatter")
+    world.check_agree("quantized_reduce_scatter", (inp.numel(),), ("inp numel",))
+    s = x.shape[1]
+    chunk = zq.reduce_scatter_chunk(inp.numel(), W, group_size)
+    if chunk != s:  # pad every slice to whole groups
+        x = torch.nn.functional.pad(x, (0, chunk - s))
+    with world.counters.collective("quantized_reduce_scatter", inp.numel() * inp.element_size()):
+        if s == 0:
+            return out
+        q = zq.swizzle_quantize(x, nodes=N, ranks_per_node=R, bits=bits, group_size=group_size)
+        if R > 1:
+            q = _exchange(topology.intra, q, (R, N * chunk))
+            if N == 1:
+                mean = zq.dequantize_sum(q, divisor=float(W), dtype=out.dtype)
+                out.view(-1).copy_(mean[:s])
+                return out
+            q = zq.requantize_sum(q)
+        else:
+            q = q._replace(shape=torch.Size((N * chunk,)))
+        q = _exchange(topology.inter, q, (N, chunk))
+        mean = zq.dequantize_sum(q, divisor=float(W), dtype=out.dtype)
+        out.view(-1).copy_(mean[:s])
+    return out
+
+
+def _exchange(t: Transport, q: zq.QuantizedTensor, shape) -> zq.QuantizedTensor:
+    """All-to-all of a quantized buffer split ``t.world_size`` ways (payload and scales);
+    the result holds the received slices along dim 0."""
+    data = torch.empty_like(q.data)
+    scales = torch.empty_like(q.scales)
+    t.all_to_all(data, q.data)
+    t.all_to_all(scales, q.scales)
+    return q._replace(data=data, scales=scales, shape=torch.Size(shape))
+
+
+def hierarchical_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, *, topology) -> torch.Tensor:
+    """The plain counterpart of :func:`quantized_reduce_scatter`: the same two all-to-all
+    hops and layout in full precision (fp32 sums), so the inter-node bytes are ``1/R`` of a
+    direct reduce-scatter's. ``out`` receives this rank's slice of the MEAN."""
+    world = topology.world
+    W, R, N = world.world_size, topology.ranks_per_node, topology.nodes
+    x = _slices(out, inp, W, "hierarchical_reduce_scatter")
+    world.check_agree("hierarchical_reduce_scatter", (inp.numel(),), ("inp numel",))
+    s = x.shape[1]
+    with world.counters.collective("hierarchical_reduce_scatter", inp.numel() * inp.element_size()):
+        if s == 0:
+            return out
+        # (node, local, s) -> (local, node, s): part l goes to local rank l
+        part = x.float().view(N, R, s).transpose(0, 1).contiguous()
+        if R > 1:
+            recv = torch.empty_like(part)
+            topology.intra.all_to_all(recv, part)
+            part = _ordered_sum(recv.view(R, N * s))
+        recv = torch.empty(N * s, dtype=torch.float32, device=inp.device)
+        topology.inter.all_to_all(recv, part.view(-1).contiguous())
+        total = _ordered_sum(recv.view(N, s)) / float(W)
+        out.view(-1).copy_(total)
+    return out
+
+
+def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    acc = parts[0].clone()
+    for j in range(1, parts.shape[0]):
+        acc += parts[j]
+    return acc
