@@ -11,6 +11,7 @@ import torch
 import zpp.quant as zq
 from tests.dist import run_world
 from zpp.comm.collectives import (
+    effective_group_size,
     hierarchical_reduce_scatter,
     quantized_all_gather,
     quantized_reduce_scatter,
@@ -37,13 +38,14 @@ def _gather(t, x):
 
 def _check_quantized_all_gather(t):
     for numel, bits, dtype, gs in [(1, 8, torch.float32, 2), (7, 4, torch.float32, 4),
+                                   (3, 8, torch.float32, 2048), (100, 4, torch.bfloat16, 2048),
                                    (1000, 8, torch.bfloat16, 64), (4096, 4, torch.float32, 256),
                                    (5000, 8, torch.float16, 512), (0, 8, torch.float32, 64)]:
         shard = _rand(numel, t.rank, numel, dtype)
         out = torch.full((t.world_size * numel,), float("nan"), dtype=dtype)
         quantized_all_gather(out, shard, transport=t, bits=bits, group_size=gs)
         # exactly the all-gather of every rank's dequantize(quantize(shard))
-        mine = zq.dequantize(zq.quantize(shard, bits=bits, group_size=gs))
+        mine = zq.dequantize(zq.quantize(shard, bits=bits, group_size=effective_group_size(gs, numel)))
         assert torch.equal(out.view(t.world_size, -1), _gather(t, mine)), (numel, bits, dtype)
     # wire bytes: 1/4 (int8) and 1/8 (int4) of the plain fp32 all-gather, plus scales
     n = 1 << 16
@@ -70,6 +72,7 @@ def _simulate_qgz(inputs, topo, bits, gs):
     W, R, N = topo.world.world_size, topo.ranks_per_node, topo.nodes
     n = inputs.shape[1]
     s = -(-n // W)
+    gs = effective_group_size(gs, s)
     chunk = zq.reduce_scatter_chunk(n, W, gs)
     padded = torch.zeros(W, W * s)
     padded[:, :n] = inputs
@@ -93,7 +96,8 @@ def _simulate_qgz(inputs, topo, bits, gs):
 def _check_quantized_reduce_scatter(t):
     topo = topology_of(t)
     W = t.world_size
-    for numel, bits, gs in [(1, 4, 2), (3, 4, 8), (1000, 4, 64), (4096, 8, 128), (12345, 4, 256)]:
+    for numel, bits, gs in [(1, 4, 2), (3, 4, 8), (1000, 4, 64), (4096, 8, 128), (12345, 4, 256),
+                            (50, 8, 2048)]:
         inp = _rand(numel, t.rank, numel)
         s = -(-numel // W)
         out = torch.full((s,), float("nan"))
@@ -267,3 +271,7 @@ def test_local_argument_errors():
         quantized_all_gather(torch.empty(5), torch.empty(3), transport=_One())
     with pytest.raises(ValueError, match="positive integer"):
         OneBitAllReduce(0, _One())
+    assert effective_group_size(2048, 3) == 4 and effective_group_size(2048, 10**6) == 2048
+    assert effective_group_size(64, 0) == 2
+    with pytest.raises(ValueError, match="group_size=3"):
+        effective_group_size(3, 100)

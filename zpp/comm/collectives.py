@@ -24,13 +24,22 @@ import torch
 
 import zpp.quant as zq
 from zpp.comm.transport import Transport
-from zpp.quant.types import DEFAULT_GROUP_SIZE
+from zpp.quant.types import DEFAULT_GROUP_SIZE, check_params
 
 __all__ = [
+    "effective_group_size",
     "hierarchical_reduce_scatter",
     "quantized_all_gather",
     "quantized_reduce_scatter",
 ]
+
+
+def effective_group_size(group_size: int, numel: int) -> int:
+    """The quantization group a collective uses for ``numel`` elements per rank:
+    ``group_size``, but no larger than the data rounded up to even, so a small shard is not
+    padded to one large group (which would send more than the plain collective)."""
+    check_params(8, group_size)
+    return min(group_size, max(2, numel + (numel & 1)))
 
 
 def quantized_all_gather(
@@ -43,7 +52,8 @@ def quantized_all_gather(
 ) -> torch.Tensor:
     """qwZ: ``out`` (``world_size * shard.numel()`` elements) receives every rank's
     ``dequantize(quantize(shard))`` in rank order, exactly. Any shard size; fp32, fp16 or
-    bf16 (``out`` may have another float dtype than ``shard``)."""
+    bf16 (``out`` may have another float dtype than ``shard``). The group size is
+    :func:`effective_group_size` of ``group_size`` and the shard."""
     world = transport.world_size
     if out.numel() != world * shard.numel():
         raise ValueError(
@@ -54,6 +64,7 @@ def quantized_all_gather(
         raise ValueError(f"quantized_all_gather: out must be contiguous ({out.shape=} {out.stride()=})")
     # padding hides a shard-size mismatch from the transport's own check
     transport.check_agree("quantized_all_gather", (shard.numel(),), ("shard numel",))
+    group_size = effective_group_size(group_size, shard.numel())
     q = zq.quantize(shard, bits=bits, group_size=group_size)
     data = torch.empty(world * q.data.numel(), dtype=torch.uint8, device=shard.device)
     scales = torch.empty(world * q.scales.numel(), dtype=torch.float32, device=shard.device)
@@ -106,13 +117,15 @@ def quantized_reduce_scatter(
     ``l`` holds every local peer's chunks for the ranks ``(node, l)`` of every node; fused
     dequantize-sum-requantize. Hop 2, across nodes among ranks with the same local rank:
     all-to-all, dequantize, sum, divide by the world size. One node is one hop; one rank per
-    node skips hop 1. Any ``inp`` size (see [Note: reduce-scatter layout]).
+    node skips hop 1. Any ``inp`` size (see [Note: reduce-scatter layout]); the group size is
+    :func:`effective_group_size` of ``group_size`` and the slice.
     """
     world = topology.world
     W, R, N = world.world_size, topology.ranks_per_node, topology.nodes
     x = _slices(out, inp, W, "quantized_reduce_scatter")
     world.check_agree("quantized_reduce_scatter", (inp.numel(),), ("inp numel",))
     s = x.shape[1]
+    group_size = effective_group_size(group_size, s)
     chunk = zq.reduce_scatter_chunk(inp.numel(), W, group_size)
     if chunk != s:  # pad every slice to whole groups
         x = torch.nn.functional.pad(x, (0, chunk - s))

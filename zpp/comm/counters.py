@@ -40,7 +40,11 @@ class OpStats:
 
     @property
     def compression_ratio(self) -> float:
-        """Logical bytes per wire byte (inf when nothing was sent)."""
+        """Logical bytes per wire byte (inf when nothing was sent).
+
+        Not 1 for uncompressed ops: a plain all_gather, reduce_scatter or all_to_all gives
+        W/(W-1), an all_reduce W/(2(W-1)); divide by that for the compression against the
+        plain collective."""
         return self.logical_bytes / self.wire_bytes if self.wire_bytes else float("inf")
 
 
