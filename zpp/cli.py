@@ -2,6 +2,7 @@
 
     zpp bench [options]        time the collectives, plain and compressed (zpp.bench)
     zpp cluster up|status|down|run   an emulated slow multi-node cluster (zpp.cluster)
+    zpp tune [options]         choose backend and compression per collective and size (zpp.tune)
     python -m zpp bench ...    the same without the installed script
 
 Each subcommand is a module with ``HELP``, ``add_arguments(parser)`` and
@@ -21,6 +22,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: dict[str, str] = {
     "bench": "zpp.bench.command",
     "cluster": "zpp.cluster.cli",
+    "tune": "zpp.tune.command",
 }
 
 
