@@ -4,13 +4,17 @@
 [Note: 1-bit all-reduce]
 For a tensor of ``n`` elements on ``W`` ranks, padded to ``W * c`` with ``c`` a multiple of 8:
 
-1. Worker: ``b = x + e_w`` (fp32); scale ``a = ||b||_2 / sqrt(n)``; signs ``sign(b)``
+1. Worker: ``b = x + e_w`` (fp32); scale ``a = sqrt(mean(b**2)) = ||b||_2 / sqrt(n)``; signs ``sign(b)``
    (``b >= 0`` -> +1); new worker error ``e_w = b - a * sign(b)``.
 2. Phase 1: all-to-all of the packed signs (chunk ``j`` of every rank goes to rank ``j``,
    ``c / 8`` bytes each) and all-gather of the ``W`` worker scales.
 3. Server (each rank, for its chunk): ``m = sum_i a_i * sign_i / W`` in rank order;
    ``b_s = m + e_s``; scale ``a_s = ||b_s||_2 / sqrt(valid)`` over the chunk's real elements;
    new server error ``e_s = b_s - a_s * sign(b_s)``.
+
+Steps 1 and 3 are the fused :func:`zpp.quant.onebit_compress`, step 3's average is
+:func:`zpp.quant.signs_weighted_sum` and step 4's decode :func:`zpp.quant.unpack_scaled`
+(see [Note: 1-bit kernels] in zpp/quant/reference.py).
 4. Phase 2: all-gather of the packed server signs and server scales; the result is chunk
    ``j`` = ``a_s[j] * sign_j``, the same on every rank.
 
@@ -20,7 +24,6 @@ for an fp32 all-reduce: about 32x less.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -66,36 +69,23 @@ class OneBitAllReduce:
         t.check_agree("onebit_all_reduce", (n,), ("numel",))
         dev = self.worker_error.device
         with t.counters.collective("onebit_all_reduce", n * x.element_size()):
-            # 1. worker compression with error feedback
-            buf = self.worker_error.clone()
-            buf[:n] += x.reshape(-1).to(device=dev, dtype=torch.float32)
-            scale = buf[:n].norm() / math.sqrt(n)
-            signs = zq.pack_signs(buf)  # padding is 0 -> bit 1, ignored by every receiver
-            self.worker_error[:n] = buf[:n] - scale * zq.unpack_signs(signs, self.padded)[:n]
+            # 1. worker compression with error feedback (fused; updates worker_error)
+            signs, scale = zq.onebit_compress(x.reshape(-1).to(dev), self.worker_error, numel=n)
             # 2. phase 1: my chunk of every worker's signs, and every worker's scale
             recv = torch.empty_like(signs)
             t.all_to_all(recv, signs)
             scales = torch.empty(W, dtype=torch.float32, device=dev)
-            t.all_gather(scales, scale.reshape(1))
-            # 3. server: average my chunk, add the server error, recompress
-            worker_signs = zq.unpack_signs(recv, W * c).view(W, c)
-            m = worker_signs[0] * scales[0]
-            for i in range(1, W):
-                m += worker_signs[i] * scales[i]
-            m /= W
-            srv = m + self.server_error
-            srv[self.valid:] = 0.0
-            s_scale = srv[: self.valid].norm() / math.sqrt(self.valid) if self.valid else srv.new_zeros(())
-            s_signs = zq.pack_signs(srv)
-            self.server_error = srv - s_scale * zq.unpack_signs(s_signs, c)
-            self.server_error[self.valid:] = 0.0
+            t.all_gather(scales, scale)
+            # 3. server: average my chunk, add the server error, recompress (padding ignored)
+            m = zq.signs_weighted_sum(recv, scales, chunk=c, divisor=float(W))
+            s_signs, s_scale = zq.onebit_compress(m, self.server_error, numel=self.valid)
             # 4. phase 2: everyone's recompressed chunk
             all_signs = torch.empty(W * s_signs.numel(), dtype=torch.uint8, device=dev)
             t.all_gather(all_signs, s_signs)
             all_scales = torch.empty(W, dtype=torch.float32, device=dev)
-            t.all_gather(all_scales, s_scale.reshape(1))
-            result = zq.unpack_signs(all_signs, W * c).view(W, c) * all_scales[:, None]
-        x.view(-1).copy_(result.view(-1)[:n])
+            t.all_gather(all_scales, s_scale)
+            result = zq.unpack_scaled(all_signs, all_scales, chunk=c, numel=n, dtype=x.dtype)
+        x.view(-1).copy_(result)
         return x
 
     def state_dict(self) -> dict:

@@ -7,11 +7,14 @@
 from zpp.quant.api import (
     dequantize,
     dequantize_sum,
+    onebit_compress,
     pack_signs,
     quantize,
     reduce_scatter_chunk,
     requantize_sum,
+    signs_weighted_sum,
     swizzle_quantize,
+    unpack_scaled,
     unpack_signs,
 )
 from zpp.quant.dispatch import fallback_counts
@@ -23,11 +26,14 @@ __all__ = [
     "dequantize",
     "dequantize_sum",
     "fallback_counts",
+    "onebit_compress",
     "pack_signs",
     "quantize",
     "quantized_nbytes",
     "reduce_scatter_chunk",
     "requantize_sum",
+    "signs_weighted_sum",
     "swizzle_quantize",
+    "unpack_scaled",
     "unpack_signs",
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from zpp.quant.dispatch import kernels_for
+from zpp.quant.dispatch import kernel, kernels_for
 from zpp.quant.types import (
     DEFAULT_GROUP_SIZE,
     QuantizedTensor,
@@ -153,3 +153,66 @@ def unpack_signs(packed: torch.Tensor, numel: int, *, dtype: torch.dtype = torch
             f"(expected {-(-max(numel, 0) // 8)})"
         )
     return kernels_for(packed.device).unpack_signs(packed.reshape(-1).contiguous(), numel, dtype)
+
+
+def onebit_compress(
+    x: torch.Tensor, error: torch.Tensor, *, numel: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error-feedback sign compression, fused (see [Note: 1-bit kernels] in reference.py).
+
+    ``b = x + error``; returns ``(packed signs of b, scale)`` with
+    ``scale = sqrt(mean(b**2))`` (a 1-element fp32 tensor) and updates ``error`` in place to
+    ``b - scale * sign(b)``. ``error`` is fp32, contiguous, with ``numel`` (Default:
+    ``x.numel()``) real elements followed by zero padding to a multiple of 8; the packed signs
+    cover all of it (padding bits are 1).
+    """
+    flat = _flat(x)
+    numel = flat.numel() if numel is None else numel
+    if error.dtype != torch.float32 or not error.is_contiguous() or error.dim() != 1:
+        raise TypeError(f"zpp.quant: error buffer must be a contiguous 1-D float32 tensor, got "
+                        f"{error.dtype} {tuple(error.shape)}")
+    if not 0 <= numel <= min(flat.numel(), error.numel()) or error.numel() % 8:
+        raise ValueError(f"zpp.quant: numel={numel} with x of {flat.numel()} and an error buffer of "
+                         f"{error.numel()} elements (a multiple of 8 is needed)")
+    if error.device != flat.device:
+        raise ValueError(f"zpp.quant: x on {flat.device} but error buffer on {error.device}")
+    return kernel(flat.device, "onebit_compress")(flat, error, numel)
+
+
+def signs_weighted_sum(
+    packed: torch.Tensor, scales: torch.Tensor, *, chunk: int, divisor: float = 1.0
+) -> torch.Tensor:
+    """``sum_i scales[i] * sign_i / divisor`` (fp32, rank order) over ``k = scales.numel()``
+    packed sign vectors of ``chunk`` elements each, laid back to back in ``packed``."""
+    if _check_signs(packed, scales, chunk) == 0:
+        raise ValueError("zpp.quant: signs_weighted_sum needs at least one scale")
+    fn = kernel(packed.device, "signs_weighted_sum")
+    return fn(packed.reshape(-1), scales.reshape(-1), chunk, float(divisor))
+
+
+def unpack_scaled(
+    packed: torch.Tensor, scales: torch.Tensor, *, chunk: int, numel: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The first ``numel`` of ``scales[j] * sign_j`` laid out chunk after chunk."""
+    k = _check_signs(packed, scales, chunk)
+    check_dtype(dtype, "output")
+    if not 0 <= numel <= k * chunk:
+        raise ValueError(f"zpp.quant: numel={numel} exceeds {k} chunks of {chunk}")
+    return kernel(packed.device, "unpack_scaled")(packed.reshape(-1), scales.reshape(-1), chunk,
+                                                 numel, dtype)
+
+
+def _check_signs(packed: torch.Tensor, scales: torch.Tensor, chunk: int) -> int:
+    if packed.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise TypeError(f"zpp.quant: packed signs must be uint8 and scales float32, got "
+                        f"{packed.dtype} and {scales.dtype}")
+    if chunk <= 0 or chunk % 8:
+        raise ValueError(f"zpp.quant: chunk={chunk} must be a positive multiple of 8")
+    k = scales.numel()
+    if packed.numel() != k * chunk // 8:
+        raise ValueError(f"zpp.quant: {packed.numel()} packed bytes, expected {k} scales x "
+                         f"chunk={chunk} / 8 = {k * chunk // 8}")
+    if not packed.is_contiguous() or not scales.is_contiguous():
+        raise ValueError("zpp.quant: packed signs and scales must be contiguous")
+    return k

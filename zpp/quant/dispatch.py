@@ -56,6 +56,26 @@ def kernels_for(device: torch.device):
         return reference
 
 
+def kernel(device: torch.device, name: str):
+    """Function ``name`` of the kernels for ``device``. An implementation that lacks it
+    falls back to the reference for that function alone, counted as ``"<impl>.<name>"``."""
+    k = kernels_for(device)
+    fn = getattr(k, name, None)
+    if fn is not None:
+        return fn
+    key = f"{getattr(k, 'NAME', '?')}.{name}"
+    _fallbacks[key] += 1
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"zpp.quant: the {k.NAME} kernels have no {name}; using the plain-torch reference "
+            f"(counted in zpp.quant.fallback_counts())",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return getattr(reference, name)
+
+
 def fallback_counts() -> dict[str, int]:
     """How many quantization calls fell back to the reference, per wanted implementation."""
     return dict(_fallbacks)

@@ -158,3 +158,45 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.
     bits = (packed.to(torch.int32)[:, None] >> shifts) & 1
     signs = bits.reshape(-1)[:numel].to(dtype) * 2 - 1
     return signs
+
+
+# ---------------------------------------------------------------------- 1-bit building blocks
+# [Note: 1-bit kernels] The error-feedback sign compression of zpp.comm.onebit, fused:
+#   onebit_compress: b = x + e (fp32); scale = sqrt(sum(b^2) / numel) with the sum of squares
+#     accumulated in fp64 (so the summation order cannot change the fp32 scale in practice);
+#     signs packed as pack_signs (b >= 0 -> 1, LSB first); e = b - scale * sign(b), in place.
+#     Positions of e past numel are left alone (they stay zero), and their bits are 1.
+#   signs_weighted_sum: m = sum_i scales[i] * sign_i, in rank order (i = 0 first), then / divisor.
+#   unpack_scaled: out[j*chunk + k] = scales[j] * sign_j[k] for the first numel positions.
+# The products are exact (a scale times +-1) and the sums run in a fixed order, so only the
+# fp64 sum of squares may differ between implementations, in its last fp64 bits.
+
+
+def onebit_compress(x: torch.Tensor, error: torch.Tensor, numel: int):
+    b = x.reshape(-1)[:numel].float() + error[:numel]
+    if numel:
+        scale = (b.double().square().sum() / numel).sqrt().float()
+    else:
+        scale = torch.zeros((), dtype=torch.float32, device=error.device)
+    full = torch.zeros(error.numel(), dtype=torch.float32, device=error.device)
+    full[:numel] = b
+    packed = pack_signs(full)
+    error[:numel] = b - torch.where(b >= 0, scale, -scale)
+    return packed, scale.reshape(1)
+
+
+def signs_weighted_sum(packed: torch.Tensor, scales: torch.Tensor, chunk: int, divisor: float):
+    k = scales.numel()
+    signs = unpack_signs(packed, k * chunk, torch.float32).view(k, chunk)
+    acc = signs[0] * scales[0]
+    for i in range(1, k):
+        acc = acc + signs[i] * scales[i]
+    if divisor != 1.0:
+        acc = acc / divisor
+    return acc
+
+
+def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int, dtype):
+    k = scales.numel()
+    signs = unpack_signs(packed, k * chunk, torch.float32).view(k, chunk)
+    return (signs * scales.view(k, 1)).reshape(-1)[:numel].to(dtype)
