@@ -72,7 +72,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool):
     nan = torch.tensor(float("nan"), device=x.device)
     if symmetric:
         absmax = g.abs().amax(dim=1)  # NaN propagates
-        scale = absmax / _qmax(bits)
+        scale = absmax / torch.full_like(absmax, _qmax(bits))  # tensor / tensor: IEEE division on CUDA too
         scale = torch.where(torch.isfinite(scale), scale, nan)
         usable = (scale != 0) & torch.isfinite(scale)
         safe = torch.where(usable, scale, torch.ones_like(scale))
@@ -81,9 +81,9 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool):
         codes = codes.clamp(-_qmax(bits), _qmax(bits))
         scales = scale
     else:
-        mn = g.amin(dim=1)
-        mx = g.amax(dim=1)
-        scale = (mx - mn) / _levels(bits)
+        mn = g.amin(dim=1) + 0.0  # + 0.0: a zero min/max is +0 whatever the reduction order
+        mx = g.amax(dim=1) + 0.0
+        scale = (mx - mn) / torch.full_like(mx, _levels(bits))
         bad = ~(torch.isfinite(scale) & torch.isfinite(mn))
         scale = torch.where(bad, nan, scale)
         offset = torch.where(bad, nan, mn)
@@ -137,7 +137,7 @@ def reduce_sum(data, scales, k, slice_numel, bits, group_size, symmetric, diviso
     for j in range(1, k):
         acc = acc + parts[j]
     if divisor != 1.0:
-        acc = acc / divisor
+        acc = acc / torch.full_like(acc, divisor)
     if requant_bits is None:
         return acc.to(out_dtype)
     return quantize(acc, requant_bits, requant_group_size, symmetric)
@@ -192,7 +192,7 @@ def signs_weighted_sum(packed: torch.Tensor, scales: torch.Tensor, chunk: int, d
     for i in range(1, k):
         acc = acc + signs[i] * scales[i]
     if divisor != 1.0:
-        acc = acc / divisor
+        acc = acc / torch.full_like(acc, divisor)
     return acc
 
 

@@ -17,7 +17,10 @@ Layout (the same for every implementation, so payloads are interchangeable):
   ``offset = min``, ``code = rint((x - min) / scale)``, ``x' = code * scale + offset`` (two
   roundings, never a fused multiply-add). A zero scale gives code 0. A group holding NaN or
   +-Inf (or, asymmetric, whose range overflows fp32) gets scale NaN (and offset NaN), code 0,
-  so it dequantizes to NaN.
+  so it dequantizes to NaN. Only NaN's position is part of the contract, not its bit pattern
+  (torch's own fp32 -> bf16 conversions disagree on it).
+* A zero minimum or maximum is +0 (never -0) whatever the reduction order.
+* Divisions are IEEE divisions (never a multiplication by a reciprocal).
 """
 from __future__ import annotations
 
