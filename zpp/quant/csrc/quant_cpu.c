@@ -1,0 +1,890 @@
+/*
+ * zpp.quant CPU kernels: block int8/int4 quantization, the fused reduce, 1-bit signs.
+ *
+ * Plain C on raw pointers (no torch headers); loaded with ctypes by zpp/quant/cpu.py.
+ * Layout and arithmetic are those of zpp/quant/types.py and must match
+ * zpp/quant/reference.py bit for bit:
+ *
+ *   - x / scale is a true division (never a reciprocal multiply), rounded with rintf
+ *     (round half to even in the default rounding mode), then clamped.
+ *   - symmetric scale = absmax / qmax, asymmetric scale = (max - min) / levels, in fp32.
+ *   - asymmetric dequantization rounds twice: (code * scale) + offset. Build with
+ *     -ffp-contract=off so the compiler never fuses that into an FMA, and never with
+ *     -ffast-math (NaN/Inf handling and signed zeros matter here).
+ *   - a group holding NaN/+-Inf (asymmetric: or whose range overflows) gets scale NaN
+ *     (and offset NaN) and codes 0; a zero scale gives codes 0; padded positions of the
+ *     last group are code 0 and do not enter the statistics.
+ *   - the reduce adds slices in order in fp32 (acc = s0; acc = acc + s1; ...), then
+ *     divides by (float)divisor when divisor != 1.
+ *
+ * Work is split over groups with OpenMP; the caller passes the thread count. Each group
+ * is read once from memory: the statistics pass brings it into L1, the coding pass
+ * re-reads it from there. Statistics are computed on the raw bit patterns (an unsigned
+ * max of |x| bits for symmetric, an order-preserving integer key for min/max), which is
+ * exact, catches NaN/Inf in the same reduction, and vectorizes as integer max/min.
+ *
+ * Dtype codes: 0 = fp32, 1 = fp16, 2 = bf16.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define ZPP_HAVE_F16C 1
+#else
+#define ZPP_HAVE_F16C 0
+#endif
+
+#define ZPP_API __attribute__((visibility("default")))
+#define ZPP_ABI_VERSION 5
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+/* Elements handled per inner tile: 2 KiB of fp32, well inside L1 next to a group. */
+#define TILE 512
+/* Elements per parallel work item. Work is handed out dynamically in items of about this
+ * size, so a thread that the OS delays (an oversubscribed machine) does not hold up a
+ * fixed half of the work. */
+#define BLOCK 16384
+
+typedef uint32_t u32a __attribute__((may_alias));
+typedef uint16_t u16a __attribute__((may_alias));
+typedef float f32a __attribute__((may_alias));
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static inline size_t dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+/* Groups per dynamically scheduled work item: about BLOCK elements. */
+static inline int64_t groups_per_grab(int64_t G) { return G >= BLOCK ? 1 : BLOCK / G; }
+
+/* ------------------------------------------------------------------------------------ */
+/* fp16 / bf16 conversions                                                               */
+/* ------------------------------------------------------------------------------------ */
+
+/* Exact fp16 -> fp32. */
+static inline float h2f_soft(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1F) return u2f(sign | 0x7F800000u | (m << 13));
+    if (e != 0) return u2f(sign | ((e + 112u) << 23) | (m << 13));
+    if (m == 0) return u2f(sign);
+    /* subnormal: m * 2^-24, exact in fp32 */
+    return u2f(sign | f2u((float)m * 0x1p-24f));
+}
+
+/* fp32 -> fp16, round to nearest even (NaN -> quiet NaN keeping the sign). */
+static inline uint16_t f2h_soft(float f) {
+    uint32_t u = f2u(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520 rounds to Inf */
+    if (a >= 0x38800000u) {                                  /* normal fp16 range */
+        a += 0x0FFFu + ((a >> 13) & 1u);
+        a -= 112u << 23;
+        return (uint16_t)(sign | (a >> 13));
+    }
+    /* fp16 subnormal or zero: |f| * 2^24 is exact, then round half to even */
+    float v = u2f(a) * 0x1p24f;
+    return (uint16_t)(sign | (uint16_t)(int32_t)rintf(v));
+}
+
+/* fp32 -> bf16 as torch rounds it: nearest even; NaN -> 0x7FC0. */
+static inline uint16_t f2bf(uint32_t u) {
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : r;
+}
+
+/* dst[i] = (float)src[i] for n elements of dtype dt. */
+static void load_f32(const void *src, int dt, int64_t n, float *restrict dst) {
+    if (dt == DT_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dt == DT_BF16) {
+        const u16a *restrict s = (const u16a *)src;
+        u32a *restrict d = (u32a *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+    } else {
+        const u16a *restrict s = (const u16a *)src;
+        int64_t i = 0;
+#if ZPP_HAVE_F16C
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = h2f_soft(s[i]);
+    }
+}
+
+/* dst[i] = (dt)src[i] for n fp32 values. */
+static void store_f32(const float *restrict src, int64_t n, int dt, void *dst) {
+    if (dt == DT_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dt == DT_BF16) {
+        const u32a *restrict s = (const u32a *)src;
+        u16a *restrict d = (u16a *)dst;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = s[i];
+            uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+            d[i] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
+        }
+    } else {
+        u16a *restrict d = (u16a *)dst;
+        int64_t i = 0;
+#if ZPP_HAVE_F16C
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; i++) d[i] = f2h_soft(src[i]);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* group statistics on raw bits                                                          */
+/* ------------------------------------------------------------------------------------ */
+
+/* Largest |x| bit pattern (sign cleared); >= the dtype's Inf pattern means NaN/Inf. */
+static uint32_t absmax_bits32(const u32a *restrict x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = x[i] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+static uint16_t absmax_bits16(const u16a *restrict x, int64_t n) {
+    uint16_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t a = (uint16_t)(x[i] & 0x7FFFu);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* Order-preserving signed key of a float's bits (an involution): negative floats get
+ * their magnitude bits flipped. -0.0 sorts just below +0.0; NaNs sort beyond +-Inf. */
+static inline int32_t key32(uint32_t u) {
+    return (int32_t)(u ^ ((uint32_t)((int32_t)u >> 31) >> 1));
+}
+static inline int16_t key16(uint16_t h) {
+    return (int16_t)(h ^ (uint16_t)((uint16_t)(-(int16_t)(h >> 15)) >> 1));
+}
+
+static void minmax_key32(const u32a *restrict x, int64_t n, int32_t *mn, int32_t *mx) {
+    int32_t lo = *mn, hi = *mx;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t k = key32(x[i]);
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+    }
+    *mn = lo;
+    *mx = hi;
+}
+
+static void minmax_key16(const u16a *restrict x, int64_t n, int32_t *mn, int32_t *mx) {
+    int16_t lo = INT16_MAX, hi = INT16_MIN;
+    for (int64_t i = 0; i < n; i++) {
+        int16_t k = key16(x[i]);
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+    }
+    if (n) {
+        *mn = lo < *mn ? lo : *mn;
+        *mx = hi > *mx ? hi : *mx;
+    }
+}
+
+/* fp32 value of a 16-bit pattern of dtype dt. */
+static inline float bits16_to_f32(uint16_t h, int dt) {
+    return dt == DT_BF16 ? u2f((uint32_t)h << 16) : h2f_soft(h);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* coding                                                                                */
+/* ------------------------------------------------------------------------------------ */
+
+static void codes_sym(const float *restrict x, int64_t n, float scale, float qmax,
+                      int8_t *restrict c) {
+    const float lo = -qmax;
+    for (int64_t i = 0; i < n; i++) {
+        float q = rintf(x[i] / scale);
+        q = q > qmax ? qmax : q;
+        q = q < lo ? lo : q;
+        c[i] = (int8_t)(int32_t)q;
+    }
+}
+
+static void codes_asym(const float *restrict x, int64_t n, float mn, float scale, float levels,
+                       uint8_t *restrict c) {
+    for (int64_t i = 0; i < n; i++) {
+        float q = rintf((x[i] - mn) / scale);
+        q = q > levels ? levels : q;
+        q = q < 0.0f ? 0.0f : q;
+        c[i] = (uint8_t)(int32_t)q;
+    }
+}
+
+/* Two 4-bit codes per byte: element 2i in the low nibble, 2i+1 in the high nibble. */
+static void pack4(const uint8_t *restrict c, int64_t nbytes, uint8_t *restrict out) {
+    for (int64_t i = 0; i < nbytes; i++)
+        out[i] = (uint8_t)((c[2 * i] & 0x0Fu) | (uint8_t)(c[2 * i + 1] << 4));
+}
+
+/*
+ * Quantize one group of G positions. Its first nsrc elements come from src (dtype dt),
+ * the next nzero elements are +0.0 (real elements: they enter the statistics), the rest
+ * up to G are padding. Writes G*bits/8 bytes at out and 1 (sym) or 2 floats at sc.
+ */
+static void quant_group(const void *src, int dt, int64_t nsrc, int64_t nzero, int64_t G,
+                        int bits, int sym, uint8_t *restrict out, float *restrict sc) {
+    const int64_t nval = nsrc + nzero;
+    const int64_t gbytes = G * bits / 8;
+    float scale, mn = 0.0f;
+    int usable;
+
+    if (sym) {
+        const float qmax = bits == 8 ? 127.0f : 7.0f;
+        float absmax;
+        int bad;
+        if (dt == DT_F32) {
+            uint32_t m = absmax_bits32((const u32a *)src, nsrc);
+            bad = m >= 0x7F800000u;
+            absmax = u2f(m);
+        } else {
+            uint16_t m = absmax_bits16((const u16a *)src, nsrc);
+            bad = m >= (dt == DT_BF16 ? 0x7F80u : 0x7C00u);
+            absmax = bits16_to_f32(m, dt);
+        }
+        /* zeros (nzero) cannot raise absmax */
+        scale = bad ? NAN : absmax / qmax;
+        sc[0] = scale;
+        usable = !bad && scale != 0.0f;
+    } else {
+        const float levels = bits == 8 ? 255.0f : 15.0f;
+        int32_t kmin = INT32_MAX, kmax = INT32_MIN;
+        float mx;
+        if (dt == DT_F32) {
+            minmax_key32((const u32a *)src, nsrc, &kmin, &kmax);
+            if (nzero) {
+                kmin = kmin < 0 ? kmin : 0;
+                kmax = kmax > 0 ? kmax : 0;
+            }
+            mn = u2f((uint32_t)key32((uint32_t)kmin));
+            mx = u2f((uint32_t)key32((uint32_t)kmax));
+        } else {
+            minmax_key16((const u16a *)src, nsrc, &kmin, &kmax);
+            if (nzero) {
+                kmin = kmin < 0 ? kmin : 0;
+                kmax = kmax > 0 ? kmax : 0;
+            }
+            mn = bits16_to_f32((uint16_t)key16((uint16_t)kmin), dt);
+            mx = bits16_to_f32((uint16_t)key16((uint16_t)kmax), dt);
+        }
+        mn += 0.0f; /* a zero min/max is +0, as in the reference (types.py) */
+        mx += 0.0f;
+        scale = (mx - mn) / levels;
+        int bad = !(isfinite(scale) && isfinite(mn));
+        if (bad) {
+            scale = NAN;
+            mn = NAN;
+        }
+        sc[0] = scale;
+        sc[1] = mn;
+        usable = !bad && scale != 0.0f;
+    }
+
+    if (!usable) {
+        memset(out, 0, (size_t)gbytes);
+        return;
+    }
+
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const float levels = bits == 8 ? 255.0f : 15.0f;
+    float tile[TILE];
+    uint8_t ctile[TILE + 2];
+    const size_t esz = dt_size(dt);
+    for (int64_t j0 = 0; j0 < nval; j0 += TILE) {
+        const int64_t t = min64(TILE, nval - j0);
+        const float *x;
+        if (dt == DT_F32 && j0 + t <= nsrc) {
+            x = (const float *)src + j0;
+        } else {
+            const int64_t ns = max64(0, min64(t, nsrc - j0));
+            if (ns) load_f32((const char *)src + (size_t)j0 * esz, dt, ns, tile);
+            if (ns < t) memset(tile + ns, 0, (size_t)(t - ns) * 4);
+            x = tile;
+        }
+        if (bits == 8) {
+            if (sym)
+                codes_sym(x, t, scale, qmax, (int8_t *)(out + j0));
+            else
+                codes_asym(x, t, mn, scale, levels, out + j0);
+        } else {
+            if (sym)
+                codes_sym(x, t, scale, qmax, (int8_t *)ctile);
+            else
+                codes_asym(x, t, mn, scale, levels, ctile);
+            ctile[t] = 0; /* odd tail: the high nibble of the last byte is padding */
+            pack4(ctile, (t + 1) / 2, out + j0 / 2);
+        }
+    }
+    const int64_t used = bits == 8 ? nval : (nval + 1) / 2;
+    if (used < gbytes) memset(out + used, 0, (size_t)(gbytes - used));
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* dequantization of an arbitrary range of flat element indices                         */
+/* ------------------------------------------------------------------------------------ */
+
+#define DQ_LOOP(EXPR)                                                      \
+    do {                                                                   \
+        if (accumulate) {                                                  \
+            for (int64_t i = 0; i < m; i++) y[i] = y[i] + (EXPR);          \
+        } else {                                                           \
+            for (int64_t i = 0; i < m; i++) y[i] = (EXPR);                 \
+        }                                                                  \
+    } while (0)
+
+#define DQ_LOOP4(LO, HI)                                                   \
+    do {                                                                   \
+        if (accumulate) {                                                  \
+            for (int64_t i = 0; i < np; i++) {                             \
+                const uint8_t b = c[i];                                    \
+                y[2 * i] = y[2 * i] + (LO);                                \
+                y[2 * i + 1] = y[2 * i + 1] + (HI);                        \
+            }                                                              \
+        } else {                                                           \
+            for (int64_t i = 0; i < np; i++) {                             \
+                const uint8_t b = c[i];                                    \
+                y[2 * i] = (LO);                                           \
+                y[2 * i + 1] = (HI);                                       \
+            }                                                              \
+        }                                                                  \
+    } while (0)
+
+static inline float dq_one(int32_t code, float s, float o, int sym) {
+    float v = (float)code * s;
+    return sym ? v : v + o;
+}
+
+static inline int32_t nibble(const uint8_t *data, int64_t e, int sym) {
+    uint8_t b = data[e >> 1];
+    int32_t c = (e & 1) ? (b >> 4) : (b & 0x0F);
+    if (sym && c >= 8) c -= 16;
+    return c;
+}
+
+/* y[i] = (or +=) the dequantized fp32 value of flat element e0 + i, for i < n. */
+static void dequant_range(const uint8_t *restrict data, const float *restrict scales, int bits,
+                          int64_t G, int sym, int64_t e0, int64_t n, float *restrict out,
+                          int accumulate) {
+    const int64_t end = e0 + n;
+    int64_t e = e0;
+    while (e < end) {
+        const int64_t g = e / G;
+        const int64_t gend = min64((g + 1) * G, end);
+        const float s = sym ? scales[g] : scales[2 * g];
+        const float o = sym ? 0.0f : scales[2 * g + 1];
+        float *restrict y = out + (e - e0);
+        if (bits == 8) {
+            const int64_t m = gend - e;
+            if (sym) {
+                const int8_t *restrict c = (const int8_t *)data + e;
+                DQ_LOOP((float)c[i] * s);
+            } else {
+                const uint8_t *restrict c = data + e;
+                DQ_LOOP((float)c[i] * s + o);
+            }
+        } else {
+            int64_t ee = e;
+            if (ee & 1) { /* start on a high nibble */
+                float v = dq_one(nibble(data, ee, sym), s, o, sym);
+                y[0] = accumulate ? y[0] + v : v;
+                y++;
+                ee++;
+            }
+            const int64_t np = (gend - ee) / 2;
+            const uint8_t *restrict c = data + (ee >> 1);
+            if (sym) {
+                DQ_LOOP4((float)((int8_t)(uint8_t)(b << 4) >> 4) * s, (float)((int8_t)b >> 4) * s);
+            } else {
+                DQ_LOOP4((float)(b & 0x0F) * s + o, (float)(b >> 4) * s + o);
+            }
+            ee += 2 * np;
+            y += 2 * np;
+            if (ee < gend) { /* end on a low nibble */
+                float v = dq_one(nibble(data, ee, sym), s, o, sym);
+                y[0] = accumulate ? y[0] + v : v;
+            }
+        }
+        e = gend;
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* exported kernels                                                                      */
+/* ------------------------------------------------------------------------------------ */
+
+ZPP_API int zpp_abi_version(void) { return ZPP_ABI_VERSION; }
+
+ZPP_API int zpp_have_f16c(void) { return ZPP_HAVE_F16C; }
+
+/*
+ * Quantize, optionally through the two-hop swizzle.
+ *
+ * swizzle == 0: x holds numel elements, quantized as they are.
+ * swizzle != 0: x (numel <= nodes*rpn*chunk) is zero-padded to total = nodes*rpn*chunk,
+ * read as chunks [node][local] and quantized in the order [local][node]: output position
+ * p = (l*nodes + n)*chunk + c holds x[(n*rpn + l)*chunk + c] (0 past numel).
+ * out: groups*G*bits/8 bytes; scales: groups (sym) or 2*groups floats.
+ * Returns 0, or -1 if a scratch buffer could not be allocated.
+ */
+ZPP_API int zpp_quantize(const void *x, int dt, int64_t numel, int swizzle, int64_t nodes,
+                         int64_t rpn, int64_t chunk, int bits, int64_t G, int sym,
+                         uint8_t *out, float *scales, int nthreads) {
+    const int64_t total = swizzle ? nodes * rpn * chunk : numel;
+    if (total <= 0) return 0;
+    const int64_t groups = (total + G - 1) / G;
+    const int64_t gbytes = G * bits / 8;
+    const int nsc = sym ? 1 : 2;
+    const size_t esz = dt_size(dt);
+    const char *xs = (const char *)x;
+    const int64_t grab = groups_per_grab(G);
+    int err = 0;
+    if (nthreads < 1) nthreads = 1;
+
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *buf = NULL;
+#pragma omp for schedule(dynamic, grab)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * G;
+            const int64_t len = min64(G, total - p0);
+            uint8_t *o = out + g * gbytes;
+            float *s = scales + g * nsc;
+            if (!swizzle) {
+                quant_group(xs + (size_t)p0 * esz, dt, len, 0, G, bits, sym, o, s);
+                continue;
+            }
+            const int64_t nc = nodes * chunk; /* positions per local rank */
+            if (p0 / chunk == (p0 + len - 1) / chunk) {
+                /* the group lies in one chunk: its source is one contiguous run */
+                const int64_t l = p0 / nc, r = p0 % nc;
+                const int64_t src0 = ((r / chunk) * rpn + l) * chunk + r % chunk;
+                const int64_t ns = max64(0, min64(len, numel - src0));
+                quant_group(ns ? xs + (size_t)src0 * esz : xs, dt, ns, len - ns, G, bits, sym, o, s);
+                continue;
+            }
+            /* the group spans chunks: gather it into fp32 scratch */
+            if (!buf) buf = (float *)malloc((size_t)G * sizeof(float));
+            if (!buf) {
+#pragma omp atomic write
+                err = 1;
+                continue;
+            }
+            int64_t p = p0;
+            while (p < p0 + len) {
+                const int64_t l = p / nc, r = p % nc;
+                const int64_t c = r % chunk;
+                const int64_t run = min64(chunk - c, p0 + len - p);
+                const int64_t src0 = ((r / chunk) * rpn + l) * chunk + c;
+                const int64_t ns = max64(0, min64(run, numel - src0));
+                if (ns) load_f32(xs + (size_t)src0 * esz, dt, ns, buf + (p - p0));
+                if (ns < run) memset(buf + (p - p0) + ns, 0, (size_t)(run - ns) * 4);
+                p += run;
+            }
+            quant_group(buf, DT_F32, len, 0, G, bits, sym, o, s);
+        }
+        free(buf);
+    }
+    return err ? -1 : 0;
+}
+
+/* out[i] = (dtype)dequantized element i, for i < numel. */
+ZPP_API int zpp_dequantize(const uint8_t *data, const float *scales, int64_t numel, int bits,
+                           int64_t G, int sym, int dt, void *out, int nthreads) {
+    if (numel <= 0) return 0;
+    const int64_t blocks = (numel + BLOCK - 1) / BLOCK;
+    const size_t esz = dt_size(dt);
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t b0 = b * BLOCK, b1 = min64(b0 + BLOCK, numel);
+        if (dt == DT_F32) {
+            dequant_range(data, scales, bits, G, sym, b0, b1 - b0, (float *)out + b0, 0);
+            continue;
+        }
+        float tile[TILE];
+        for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
+            const int64_t t = min64(TILE, b1 - t0);
+            dequant_range(data, scales, bits, G, sym, t0, t, tile, 0);
+            store_f32(tile, t, dt, (char *)out + (size_t)t0 * esz);
+        }
+    }
+    return 0;
+}
+
+/* Sum slice j = 0..k-1 of the dequantized input at slice positions [a, a+n) into acc,
+ * in slice order, then divide. */
+static void reduce_tile(const uint8_t *data, const float *scales, int64_t k, int64_t slice,
+                        int bits, int64_t G, int sym, int divide, float div, int64_t a,
+                        int64_t n, float *restrict acc) {
+    dequant_range(data, scales, bits, G, sym, a, n, acc, 0);
+    for (int64_t j = 1; j < k; j++) dequant_range(data, scales, bits, G, sym, j * slice + a, n, acc, 1);
+    if (divide)
+        for (int64_t i = 0; i < n; i++) acc[i] = acc[i] / div;
+}
+
+/*
+ * Fused dequantize -> fp32 sum over k slices of slice_numel elements (slice order) ->
+ * divide by (float)divisor when divisor != 1 -> requantize with (rbits, rG) when rbits
+ * is 4 or 8 (same symmetry), else write dtype dt to out.
+ */
+ZPP_API int zpp_reduce_sum(const uint8_t *data, const float *scales, int64_t k, int64_t slice,
+                           int bits, int64_t G, int sym, double divisor, int rbits, int64_t rG,
+                           int dt, void *out, uint8_t *rdata, float *rscales, int nthreads) {
+    if (slice <= 0 || k <= 0) return 0;
+    const int divide = divisor != 1.0;
+    const float div = (float)divisor;
+    int err = 0;
+    if (nthreads < 1) nthreads = 1;
+
+    if (rbits == 0) {
+        const int64_t blocks = (slice + BLOCK - 1) / BLOCK;
+        const size_t esz = dt_size(dt);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t b0 = b * BLOCK, b1 = min64(b0 + BLOCK, slice);
+            float tile[TILE];
+            for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
+                const int64_t t = min64(TILE, b1 - t0);
+                float *acc = dt == DT_F32 ? (float *)out + t0 : tile;
+                reduce_tile(data, scales, k, slice, bits, G, sym, divide, div, t0, t, acc);
+                if (dt != DT_F32) store_f32(tile, t, dt, (char *)out + (size_t)t0 * esz);
+            }
+        }
+        return 0;
+    }
+
+    const int64_t groups = (slice + rG - 1) / rG;
+    const int64_t gbytes = rG * rbits / 8;
+    const int nsc = sym ? 1 : 2;
+    const int64_t grab = groups_per_grab(rG);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *buf = (float *)malloc((size_t)rG * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(dynamic, grab)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!buf) continue;
+            const int64_t a = g * rG, n = min64(rG, slice - a);
+            reduce_tile(data, scales, k, slice, bits, G, sym, divide, div, a, n, buf);
+            quant_group(buf, DT_F32, n, 0, rG, rbits, sym, rdata + g * gbytes, rscales + g * nsc);
+        }
+        free(buf);
+    }
+    return err ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* 1-bit signs                                                                           */
+/* ------------------------------------------------------------------------------------ */
+
+/* Byte whose bit j is the low bit of byte j of v (v's bytes are 0 or 1). */
+static inline uint8_t gather_bits(const uint8_t *f) {
+    uint64_t v;
+    memcpy(&v, f, 8);
+    return (uint8_t)((v * 0x0102040810204080ull) >> 56);
+}
+
+static void sign_flags(const void *x, int dt, int64_t n, uint8_t *restrict f) {
+    if (dt == DT_F32) {
+        const float *restrict s = (const float *)x;
+        for (int64_t i = 0; i < n; i++) f[i] = s[i] >= 0.0f; /* NaN -> 0, -0.0 -> 1 */
+    } else {
+        const uint16_t inf = dt == DT_BF16 ? 0x7F80u : 0x7C00u;
+        const u16a *restrict s = (const u16a *)x;
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t h = s[i], a = (uint16_t)(h & 0x7FFFu);
+            f[i] = (uint8_t)((a <= inf) & ((h < 0x8000u) | (a == 0)));
+        }
+    }
+}
+
+/* out[i] bit j = (x[8i + j] >= 0); nbytes = ceil(n / 8), trailing bits 0. */
+ZPP_API int zpp_pack_signs(const void *x, int dt, int64_t n, uint8_t *out, int nthreads) {
+    if (n <= 0) return 0;
+    const int64_t nbytes = (n + 7) / 8;
+    const int64_t bbytes = BLOCK / 8;
+    const int64_t blocks = (nbytes + bbytes - 1) / bbytes;
+    const size_t esz = dt_size(dt);
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        uint8_t f[TILE + 8];
+        const int64_t e0 = b * BLOCK, e1 = min64(e0 + BLOCK, n);
+        for (int64_t t0 = e0; t0 < e1; t0 += TILE) {
+            const int64_t t = min64(TILE, e1 - t0);
+            sign_flags((const char *)x + (size_t)t0 * esz, dt, t, f);
+            memset(f + t, 0, 8);
+            uint8_t *o = out + t0 / 8;
+            const int64_t tb = (t + 7) / 8;
+            for (int64_t i = 0; i < tb; i++) o[i] = gather_bits(f + 8 * i);
+        }
+    }
+    return 0;
+}
+
+/* +-1 for each of the 256 byte values, per dtype. */
+static float lut_f32[256][8];
+static uint16_t lut_f16[256][8];
+static uint16_t lut_bf16[256][8];
+
+__attribute__((constructor)) static void zpp_init_luts(void) {
+    for (int b = 0; b < 256; b++)
+        for (int j = 0; j < 8; j++) {
+            const int pos = (b >> j) & 1;
+            lut_f32[b][j] = pos ? 1.0f : -1.0f;
+            lut_f16[b][j] = pos ? 0x3C00u : 0xBC00u;
+            lut_bf16[b][j] = pos ? 0x3F80u : 0xBF80u;
+        }
+}
+
+/* out[i] = +1 where bit i of packed is set, else -1, for i < n. */
+ZPP_API int zpp_unpack_signs(const uint8_t *packed, int64_t n, int dt, void *out, int nthreads) {
+    if (n <= 0) return 0;
+    const int64_t full = n / 8; /* whole bytes */
+    const int64_t bbytes = BLOCK / 8;
+    const int64_t blocks = (full + bbytes - 1) / bbytes;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t i0 = b * bbytes, i1 = min64(i0 + bbytes, full);
+        if (dt == DT_F32) {
+            float *o = (float *)out;
+            for (int64_t i = i0; i < i1; i++) memcpy(o + 8 * i, lut_f32[packed[i]], 32);
+        } else {
+            uint16_t(*lut)[8] = dt == DT_BF16 ? lut_bf16 : lut_f16;
+            uint16_t *o = (uint16_t *)out;
+            for (int64_t i = i0; i < i1; i++) memcpy(o + 8 * i, lut[packed[i]], 16);
+        }
+    }
+    const int64_t rest = n - 8 * full;
+    if (rest) {
+        const uint8_t b = packed[full];
+        if (dt == DT_F32)
+            memcpy((float *)out + 8 * full, lut_f32[b], (size_t)rest * 4);
+        else
+            memcpy((uint16_t *)out + 8 * full, (dt == DT_BF16 ? lut_bf16 : lut_f16)[b], (size_t)rest * 2);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* 1-bit error-feedback compression (see [Note: 1-bit kernels] in reference.py)          */
+/* ------------------------------------------------------------------------------------ */
+
+/* b = x + err (fp32) for i < numel; scale = sqrt(sum(b^2) / numel) with the sum in fp64
+ * over fixed BLOCKs added in block order (so the thread count cannot change it); packed
+ * bit i = (b_i >= 0) for i < nerr (positions >= numel hold b = 0: bit 1);
+ * err_i = b_i - (b_i >= 0 ? scale : -scale) for i < numel. nerr is a multiple of 8. */
+ZPP_API int zpp_onebit_compress(const void *x, int dt, int64_t numel, float *err, int64_t nerr,
+                                uint8_t *packed, float *scale_out, int nthreads) {
+    const int64_t blocks = (numel + BLOCK - 1) / BLOCK;
+    const size_t esz = dt_size(dt);
+    if (nthreads < 1) nthreads = 1;
+    double *partial = (double *)malloc((size_t)(blocks > 0 ? blocks : 1) * sizeof(double));
+    if (!partial) return 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        float tile[TILE];
+        double acc = 0.0;
+        const int64_t e0 = b * BLOCK, e1 = min64(e0 + BLOCK, numel);
+        for (int64_t t0 = e0; t0 < e1; t0 += TILE) {
+            const int64_t t = min64(TILE, e1 - t0);
+            load_f32((const char *)x + (size_t)t0 * esz, dt, t, tile);
+            float *restrict e = err + t0;
+            for (int64_t i = 0; i < t; i++) {
+                const float v = tile[i] + e[i];
+                e[i] = v; /* b, until the second pass */
+                acc += (double)v * (double)v;
+            }
+        }
+        partial[b] = acc;
+    }
+    double sumsq = 0.0;
+    for (int64_t b = 0; b < blocks; b++) sumsq += partial[b];
+    free(partial);
+    const float scale = numel > 0 ? (float)sqrt(sumsq / (double)numel) : 0.0f;
+    *scale_out = scale;
+    const int64_t pblocks = (nerr + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < pblocks; b++) {
+        uint8_t f[TILE + 8];
+        const int64_t e0 = b * BLOCK, e1 = min64(e0 + BLOCK, nerr);
+        for (int64_t t0 = e0; t0 < e1; t0 += TILE) {
+            const int64_t t = min64(TILE, e1 - t0);
+            const int64_t live = max64(0, min64(t, numel - t0));
+            float *restrict e = err + t0;
+            for (int64_t i = 0; i < live; i++) {
+                const float v = e[i];
+                const int pos = v >= 0.0f; /* NaN -> 0 */
+                f[i] = (uint8_t)pos;
+                e[i] = v - (pos ? scale : -scale);
+            }
+            for (int64_t i = live; i < t; i++) f[i] = 1;
+            uint8_t *o = packed + t0 / 8;
+            for (int64_t i = 0; i < t / 8; i++) o[i] = gather_bits(f + 8 * i);
+        }
+    }
+    return 0;
+}
+
+/* out[t] = (sum_i scales[i] * sign_i[t], i = 0 first) / divisor, t < chunk (chunk % 8 == 0). */
+ZPP_API int zpp_signs_weighted_sum(const uint8_t *packed, const float *scales, int64_t k,
+                                   int64_t chunk, double divisor, float *out, int nthreads) {
+    const int64_t nbytes = chunk / 8, bbytes = BLOCK / 8;
+    const int64_t blocks = (nbytes + bbytes - 1) / bbytes;
+    const float div = (float)divisor;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t i0 = b * bbytes, i1 = min64(i0 + bbytes, nbytes);
+        float *restrict o = out + 8 * i0;
+        const uint8_t *p = packed;
+        for (int64_t i = i0; i < i1; i++) {
+            const float *l = lut_f32[p[i]];
+            for (int j = 0; j < 8; j++) o[8 * (i - i0) + j] = l[j] * scales[0];
+        }
+        for (int64_t r = 1; r < k; r++) {
+            const uint8_t *pr = packed + r * nbytes;
+            const float s = scales[r];
+            for (int64_t i = i0; i < i1; i++) {
+                const float *l = lut_f32[pr[i]];
+                for (int j = 0; j < 8; j++) o[8 * (i - i0) + j] += l[j] * s;
+            }
+        }
+        if (div != 1.0f)
+            for (int64_t i = 0; i < 8 * (i1 - i0); i++) o[i] = o[i] / div;
+    }
+    return 0;
+}
+
+/* out[j*chunk + t] = scales[j] * sign_j[t] in dtype dt, for the first numel positions. */
+ZPP_API int zpp_unpack_scaled(const uint8_t *packed, const float *scales, int64_t k, int64_t chunk,
+                              int64_t numel, int dt, void *out, int nthreads) {
+    const int64_t blocks = (numel + BLOCK - 1) / BLOCK;
+    const size_t esz = dt_size(dt);
+    if (nthreads < 1) nthreads = 1;
+    (void)k;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        float tile[TILE + 8]; /* whole bytes: up to 7 values past a short last tile */
+        const int64_t e0 = b * BLOCK, e1 = min64(e0 + BLOCK, numel);
+        for (int64_t t0 = e0; t0 < e1; t0 += TILE) { /* TILE and chunk are multiples of 8 */
+            const int64_t t = min64(TILE, e1 - t0);
+            for (int64_t i = 0; i < t; i += 8) {
+                const int64_t e = t0 + i;
+                const float s = scales[e / chunk];
+                const float *l = lut_f32[packed[e / 8]];
+                for (int j = 0; j < 8; j++) tile[i + j] = l[j] * s;
+            }
+            store_f32(tile, t, dt, (char *)out + (size_t)t0 * esz);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* packed-argument entry points                                                          */
+/* ------------------------------------------------------------------------------------ */
+/*
+ * ctypes converts typed arguments slowly (microseconds per call for a dozen int64s); these
+ * take one buffer of little-endian 8-byte slots instead (Python's struct.pack("<...q")), in
+ * the order of the typed functions' parameters. Pointers are slots holding the address,
+ * the divisor a slot holding an IEEE double.
+ */
+static inline int64_t arg_i(const unsigned char *b, int i) {
+    int64_t v;
+    memcpy(&v, b + 8 * i, 8);
+    return v;
+}
+static inline void *arg_p(const unsigned char *b, int i) { return (void *)(uintptr_t)arg_i(b, i); }
+static inline double arg_d(const unsigned char *b, int i) {
+    double v;
+    memcpy(&v, b + 8 * i, 8);
+    return v;
+}
+
+ZPP_API int zpp_quantize_p(const unsigned char *b) {
+    return zpp_quantize(arg_p(b, 0), (int)arg_i(b, 1), arg_i(b, 2), (int)arg_i(b, 3), arg_i(b, 4),
+                        arg_i(b, 5), arg_i(b, 6), (int)arg_i(b, 7), arg_i(b, 8), (int)arg_i(b, 9),
+                        (uint8_t *)arg_p(b, 10), (float *)arg_p(b, 11), (int)arg_i(b, 12));
+}
+
+ZPP_API int zpp_dequantize_p(const unsigned char *b) {
+    return zpp_dequantize((const uint8_t *)arg_p(b, 0), (const float *)arg_p(b, 1), arg_i(b, 2),
+                          (int)arg_i(b, 3), arg_i(b, 4), (int)arg_i(b, 5), (int)arg_i(b, 6),
+                          arg_p(b, 7), (int)arg_i(b, 8));
+}
+
+ZPP_API int zpp_reduce_sum_p(const unsigned char *b) {
+    return zpp_reduce_sum((const uint8_t *)arg_p(b, 0), (const float *)arg_p(b, 1), arg_i(b, 2),
+                          arg_i(b, 3), (int)arg_i(b, 4), arg_i(b, 5), (int)arg_i(b, 6), arg_d(b, 7),
+                          (int)arg_i(b, 8), arg_i(b, 9), (int)arg_i(b, 10), arg_p(b, 11),
+                          (uint8_t *)arg_p(b, 12), (float *)arg_p(b, 13), (int)arg_i(b, 14));
+}
+
+ZPP_API int zpp_pack_signs_p(const unsigned char *b) {
+    return zpp_pack_signs(arg_p(b, 0), (int)arg_i(b, 1), arg_i(b, 2), (uint8_t *)arg_p(b, 3),
+                          (int)arg_i(b, 4));
+}
+
+ZPP_API int zpp_unpack_signs_p(const unsigned char *b) {
+    return zpp_unpack_signs((const uint8_t *)arg_p(b, 0), arg_i(b, 1), (int)arg_i(b, 2),
+                            arg_p(b, 3), (int)arg_i(b, 4));
+}
+
+ZPP_API int zpp_onebit_compress_p(const unsigned char *b) {
+    return zpp_onebit_compress(arg_p(b, 0), (int)arg_i(b, 1), arg_i(b, 2), (float *)arg_p(b, 3),
+                               arg_i(b, 4), (uint8_t *)arg_p(b, 5), (float *)arg_p(b, 6),
+                               (int)arg_i(b, 7));
+}
+
+ZPP_API int zpp_signs_weighted_sum_p(const unsigned char *b) {
+    return zpp_signs_weighted_sum((const uint8_t *)arg_p(b, 0), (const float *)arg_p(b, 1),
+                                  arg_i(b, 2), arg_i(b, 3), arg_d(b, 4), (float *)arg_p(b, 5),
+                                  (int)arg_i(b, 6));
+}
+
+ZPP_API int zpp_unpack_scaled_p(const unsigned char *b) {
+    return zpp_unpack_scaled((const uint8_t *)arg_p(b, 0), (const float *)arg_p(b, 1), arg_i(b, 2),
+                             arg_i(b, 3), arg_i(b, 4), (int)arg_i(b, 5), arg_p(b, 6),
+                             (int)arg_i(b, 7));
+}
+
+/* Test hooks: the portable fp16 conversions (the F16C path is used when available). */
+ZPP_API void zpp_f16_to_f32_soft(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = h2f_soft(src[i]);
+}
+
+ZPP_API void zpp_f32_to_f16_soft(const float *src, int64_t n, uint16_t *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f2h_soft(src[i]);
+}
+
+ZPP_API void zpp_f32_to_bf16(const float *src, int64_t n, uint16_t *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f2bf(f2u(src[i]));
+}
