@@ -42,7 +42,7 @@ def test_translation(tmp_path):
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, NotImplementedError, ["offload_optimizer"]),
     ({"zero_optimization": {"overlap_comm": True}}, NotImplementedError, ["overlap_comm"]),
     ({"activation_checkpointing": {"partition_activations": True}}, NotImplementedError, ["activation_checkpointing"]),
-    ({"optimizer": {"type": "OneBitAdam"}}, NotImplementedError, ["OneBitAdam"]),
+    ({"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 1}}, NotImplementedError, ["OneBitAdam", "stage 1"]),
     ({"bogus": 1, "also_bogus": 2}, ValueError, ["also_bogus", "bogus"]),
     ({"zero_optimization": {"stage": 3, "nonsense": 1}}, ValueError, ["nonsense"]),
     ({"zero_optimization": {"stage": 5}}, ValueError, ["stage=5"]),

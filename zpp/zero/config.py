@@ -25,7 +25,23 @@ from typing import Any, Literal
 
 STAGES = (0, 1, 2, 3)
 QUANT_BITS = (4, 8)
-OPTIMIZERS = ("adam", "adamw", "sgd")
+#: The 1-bit optimizers of :mod:`zpp.optim` (lower-case ``type`` -> their class name there).
+ONEBIT_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+OPTIMIZERS = ("adam", "adamw", "sgd", *ONEBIT_OPTIMIZERS)
+# Each optimizer's own keyword arguments (for the 1-bit ones: their constructors' names, less
+# ``params`` and ``transport``; the engine passes its own transport).
+_ONEBIT_COMMON = {"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad", "cuda_aware",
+                  "comm_backend_name"}
+OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
+    "adam": frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad"}),
+    "adamw": frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad"}),
+    "sgd": frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"}),
+    "onebitadam": frozenset(_ONEBIT_COMMON | {"freeze_step"}),
+    "zerooneadam": frozenset(_ONEBIT_COMMON | {"var_freeze_step", "var_update_scaler", "local_step_scaler",
+                                               "local_step_clipper"}),
+    "onebitlamb": frozenset(_ONEBIT_COMMON | {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
+                                              "factor_min", "factor_threshold"}),
+}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
@@ -121,20 +137,24 @@ class ZppConfig:
 class OptimizerConfig:
     """The optimizer the engine builds over its fp32 master shards."""
 
-    type: Literal["adam", "adamw", "sgd"]
+    type: Literal["adam", "adamw", "sgd", "onebitadam", "zerooneadam", "onebitlamb"]
     """Lower-case optimizer name; DeepSpeed's "Adam" with ``adam_w_mode`` (its default)
-    becomes "adamw"."""
+    becomes "adamw". The 1-bit ones are built from :mod:`zpp.optim` on the engine's
+    transport and do their own communication (ZeRO stage 0 only; see [Note: 1-bit
+    optimizers] in :mod:`zpp.zero.engine`)."""
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Keyword arguments of the torch optimizer (lr, betas, eps, weight_decay, momentum...)."""
+    """Keyword arguments of the optimizer (lr, betas, eps, weight_decay, momentum,
+    freeze_step...); see ``OPTIMIZER_PARAMS``."""
+
+    @property
+    def onebit(self) -> bool:
+        """Whether this is one of the 1-bit optimizers of :mod:`zpp.optim`."""
+        return self.type in ONEBIT_OPTIMIZERS
 
     def __post_init__(self) -> None:
         if self.type not in OPTIMIZERS:
             raise ValueError(f"OptimizerConfig: type={self.type!r} must be one of {OPTIMIZERS}")
-        allowed = {
-            "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad"},
-            "adamw": {"lr", "betas", "eps", "weight_decay", "amsgrad"},
-            "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
-        }[self.type]
+        allowed = OPTIMIZER_PARAMS[self.type]
         bad = sorted(set(self.params) - allowed)
         if bad:
             raise ValueError(f"OptimizerConfig: type={self.type!r} has unknown params {bad}; allowed {sorted(allowed)}")
@@ -180,7 +200,10 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step; ``backward`` scales the loss by its inverse (Default: 1)."""
     gradient_clipping: float = 0.0
-    """Clip gradients to this global L2 norm before the step; 0 turns it off (Default: 0)."""
+    """Clip gradients to this global L2 norm before the step; 0 turns it off (Default: 0).
+    With a 1-bit optimizer the averaged gradient never exists outside the optimizer, so the
+    norm clipped is ``sqrt(mean over ranks of ||local gradient||^2)``, an upper bound of the
+    averaged gradient's norm (see [Note: 1-bit optimizers] in :mod:`zpp.zero.engine`)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Parameter dtype during training: "bf16" casts the model to bfloat16 and keeps fp32
     master weights (Default: "fp32")."""
@@ -212,6 +235,14 @@ class TrainConfig:
         s = self.steps_per_print
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ValueError(f"TrainConfig: steps_per_print={s!r} must be an integer >= 0")
+        if self.optimizer is not None and self.optimizer.onebit and self.zero.stage >= 1:
+            name = ONEBIT_OPTIMIZERS[self.optimizer.type]
+            raise NotImplementedError(
+                f"TrainConfig: optimizer {name} with ZeRO stage {self.zero.stage} is not implemented: the "
+                "1-bit optimizers compress the momentum with error feedback, which needs the full momentum "
+                "(and the error buffers) on every rank, while ZeRO stage >= 1 shards the optimizer state. "
+                "Keeping ZeRO's memory saving would need a sharded compressed momentum exchange, which zpp "
+                "does not implement; use zero_optimization.stage=0 (plain data parallel)")
 
     def check_world(self, world_size: int) -> None:
         """The batch-size identity of DeepSpeed, once the world size is known."""
@@ -387,7 +418,7 @@ def _optimizer(opt: Mapping[str, Any]) -> OptimizerConfig:
     elif kind == "adamw":
         params.pop("adam_w_mode", None)
         params.pop("torch_adam", None)
-    elif kind in ("onebitadam", "onebitlamb", "zerooneadam", "lamb", "adagrad", "lion", "muadam"):
+    elif kind in ("lamb", "adagrad", "lion", "muadam"):
         raise NotImplementedError(f"DeepSpeed config: zpp's engine does not implement optimizer.type={opt.get('type')!r}")
     if kind in ("adam", "adamw"):
         params.setdefault("weight_decay", 0.0)  # DeepSpeed's default, not torch AdamW's 0.01

@@ -31,22 +31,53 @@ nothing.
   arrive (unused parameters count as zeros) and releases whatever is still gathered.
 Every rank must run the same graph, as with DDP: collectives are issued in hook order.
 Stage 2 uses the same post-accumulate hooks on its buckets (parameters stay gathered).
+
+[Note: 1-bit optimizers]
+``optimizer.type`` OneBitAdam, ZeroOneAdam or OneBitLamb (ZeRO stage 0 only; TrainConfig
+says why) builds :mod:`zpp.optim`'s optimizer on the engine's transport. It averages the
+gradients itself (full precision in warm-up, 1-bit compressed afterwards), so:
+
+* the engine never all-reduces gradients: at the accumulation boundary each unit's locally
+  accumulated gradient (the micro-steps' ``loss / gas`` gradients summed in ``.grad``)
+  moves to its fp32 ``flat.grad`` as it is, and the optimizer communicates once per step;
+* the optimizer is built over one fp32 view of the unit masters per model parameter, in
+  model order, so it sees what it would see on a plain model: 1-bit LAMB's trust ratios
+  stay per parameter tensor and no bucket padding enters the 1-bit buffer;
+* gradient clipping: the averaged gradient's norm would need a full-precision all-reduce of
+  the gradients, the very traffic the compression stage removes. The engine all-reduces one
+  scalar instead and clips every rank's local gradient by the same ``min(1, clip / rms)``,
+  ``rms = sqrt(mean over ranks of ||local gradient||^2)``. As ``||mean g|| <= rms``, the
+  mean of the clipped gradients has norm ``<= clip``, as with DDP's rule; but it clips more
+  often (rms exceeds the averaged norm by the spread of the ranks' gradients), equals DDP's
+  rule on one rank, and costs a scalar all-reduce every step (0/1 Adam's local steps
+  included). ``get_global_grad_norm`` is that rms, or None when clipping is off (nothing
+  is communicated then);
+* checkpoints: before the collective checkpoint each rank writes ``onebit_optim_rankR.pt``,
+  its optimizer ``state_dict`` (error-feedback buffers, phase and counters, and its own
+  weights, which differ between ranks between 0/1 Adam's syncs), so ``latest`` never names
+  a checkpoint without them. At the same world size every rank restores its own file and
+  weights; at another world size every rank loads rank 0's (the replicated state; error
+  feedback restarts, and the optimizer warns).
 """
 from __future__ import annotations
 
 import collections
+import json
 import os
 import zlib
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from zpp.comm.transport import Transport
-from zpp.zero.config import OptimizerConfig, TrainConfig, as_config
+from zpp.optim._common import FusedOneBitOptimizer
+from zpp.zero.config import ONEBIT_OPTIMIZERS, OptimizerConfig, TrainConfig, as_config
 from zpp.zero.group import CommContext, Unit
 from zpp.zero.schedulers import build_scheduler
+from zpp.zero.shard import Slot
 
 _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
@@ -54,6 +85,7 @@ _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
 }
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_ONEBIT_STATE = "onebit_optim_rank{:05d}.pt"  # per-rank 1-bit optimizer state in a checkpoint
 
 
 class ZeroEngine:
@@ -102,8 +134,24 @@ class ZeroEngine:
         self.units, self._needs = self._plan_units(trainable)
         self._handles: list[Any] = []
         self._install_hooks()
-        masters = [u.flat.master for u in self.units if u.trainable]
-        self.optimizer = _build_optimizer(config.optimizer, optimizer, masters)
+        #: 1-bit optimizer: (unit, slot, fp32 view of the unit master) per trained parameter
+        self._onebit: list[tuple[Unit, Slot, torch.nn.Parameter]] | None = None
+        if config.optimizer is not None and config.optimizer.onebit:
+            if optimizer is not None:
+                raise ValueError("zpp.initialize: an optimizer is given both in the config and as optimizer=")
+            self.optimizer = self._build_onebit(config.optimizer)
+        else:
+            masters = [u.flat.master for u in self.units if u.trainable]
+            if isinstance(optimizer, FusedOneBitOptimizer):
+                built = optimizer
+            else:
+                built = _build_optimizer(config.optimizer, optimizer, masters)
+            if isinstance(built, FusedOneBitOptimizer):  # given, or made by a factory
+                raise ValueError(
+                    f"zpp.initialize: a {type(built).__name__} given through optimizer= would run over the "
+                    "engine's flat buckets next to the engine's own gradient all-reduce; set it in the config "
+                    "instead: {'optimizer': {'type': ..., 'params': {...}}}")
+            self.optimizer = built
         if config.scheduler is not None:
             if lr_scheduler is not None:
                 raise ValueError("zpp.initialize: a scheduler is given both in the config and as lr_scheduler")
@@ -117,6 +165,31 @@ class ZeroEngine:
         self.last_grad_norm: float | None = None
 
     # ------------------------------------------------------------------ construction
+    def _build_onebit(self, cfg: OptimizerConfig) -> FusedOneBitOptimizer:
+        """The 1-bit optimizer over one fp32 view of the unit masters per trained parameter;
+        see [Note: 1-bit optimizers]."""
+        import zpp.optim as zo
+
+        name = ONEBIT_OPTIMIZERS[cfg.type]
+        backend = cfg.params.get("comm_backend_name")
+        if isinstance(backend, str):
+            wants = zo.COMM_BACKENDS.get(backend.lower())
+            if wants is not None and self.world.name in zo.COMM_BACKENDS.values() and wants != self.world.name:
+                raise ValueError(
+                    f"zpp.initialize: optimizer.params.comm_backend_name={backend!r} asks for the {wants!r} "
+                    f"transport but the engine runs on {self.world.name!r} (zpp.transport or transport=), "
+                    "which the optimizer shares")
+        views = []
+        for u in self.units:
+            if not u.trainable:
+                continue
+            master = u.flat.master.detach()
+            for slot in u.layout.slots:
+                v = torch.nn.Parameter(master[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                views.append((u, slot, v))
+        self._onebit = views
+        return zo.build(name, [v for _, _, v in views], transport=self.world, **cfg.params)
+
     def _broadcast_buffers(self) -> None:
         for _name, b in self.module.named_buffers():
             if b.numel():
@@ -298,14 +371,23 @@ nothing.
         if self.micro_steps % self.gradient_accumulation_steps:
             return
         trained = [u for u in self.units if u.trainable]
-        if self.config.zero.stage < 2:
+        if self._onebit is not None:  # the optimizer averages: see [Note: 1-bit optimizers]
+            for u in trained:
+                self._take_local_grad(u)
+        elif self.config.zero.stage < 2:
             for u in trained:
                 u.reduce_grads()
                 u.reduced = False
         self._clip(trained)
-        for u in trained:
-            u.stage_grad()
+        if self._onebit is not None:
+            for u, slot, v in self._onebit:
+                v.grad = u.flat.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        else:
+            for u in trained:
+                u.stage_grad()
         self.optimizer.step()
+        for _, _, v in self._onebit or ():
+            v.grad = None
         for u in trained:
             u.publish()
         for u in self.units:
@@ -317,17 +399,35 @@ nothing.
         if spp and self.global_steps % spp == 0 and self.world.rank == 0:
             print(f"[zpp] step={self.global_steps} lr={self.get_lr()} grad_norm={self.last_grad_norm}", flush=True)
 
+    @staticmethod
+    def _take_local_grad(u: Unit) -> None:
+        """Move the unit's accumulated ``.grad`` into its fp32 ``flat.grad`` without any
+        communication (1-bit optimizers)."""
+        f = u.flat
+        flat = u.layout.flatten([p.grad for p in u.params], torch.float32, f.shard.device)
+        for p in u.params:
+            p.grad = None
+        f.grad = flat if f.grad is None else f.grad.add_(flat)
+
     def _clip(self, trained: list[Unit]) -> None:
+        clip = self.config.gradient_clipping
+        if self._onebit is not None and not clip:
+            self.last_grad_norm = None  # the averaged gradient exists only inside the optimizer
+            return
         sq = torch.zeros((), dtype=torch.float64)
         for u in trained:
             sq += u.grad_norm_sq()
-        if self.ctx.degree > 1:
+        if self._onebit is not None:  # rms of the local norms: see [Note: 1-bit optimizers]
+            t = sq.reshape(1).clone()
+            if self.world.world_size > 1:
+                self.world.all_reduce(t, "sum")
+            sq = t[0] / self.world.world_size
+        elif self.ctx.degree > 1:
             t = sq.reshape(1).clone()
             self.world.all_reduce(t, "sum")
             sq = t[0]
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
-        clip = self.config.gradient_clipping
         if clip > 0:
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
@@ -343,6 +443,8 @@ nothing.
             u.flat.grad = None
             u.pending = u.expected_grads
             u.reduced = False
+        for _, _, v in self._onebit or ():
+            v.grad = None
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -375,7 +477,9 @@ nothing.
         """Bytes of model states this rank holds now, each storage counted once: parameter
         storage (full buffers in stages 0-2, shards and hpZ secondaries in stage 3), gradients
         (``.grad`` tensors and reduced fp32 shards), fp32 masters that do not alias the
-        parameters, and optimizer state tensors (scalars such as ``step`` excluded)."""
+        parameters, and optimizer state tensors (scalars such as ``step`` excluded; for a
+        1-bit optimizer its fused fp32 parameter and gradient copies, moments and
+        error-feedback buffers)."""
         seen: set[int] = set()
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -400,17 +504,55 @@ nothing.
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
                     out["optimizer"] += nbytes(v)
+        if isinstance(self.optimizer, FusedOneBitOptimizer):
+            o = self.optimizer
+            owned = [o.flat.master, o.flat.grad, *o.buffers.values()]
+            if o.compressor is not None:
+                owned += [o.compressor.worker_error, o.compressor.server_error]
+            out["optimizer"] += sum(nbytes(t) for t in owned)
         return out
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
-        from zpp.zero.checkpoint import save_checkpoint
+        from zpp.zero.checkpoint import _atomic_save, save_checkpoint
 
+        tag = tag or f"global_step{self.global_steps}"
+        if self._onebit is not None and "/" not in tag and tag not in ("", ".", ".."):  # else save_checkpoint raises
+            # per-rank state first: save_checkpoint's barrier then precedes meta and latest
+            path = Path(save_dir) / tag
+            path.mkdir(parents=True, exist_ok=True)
+            _atomic_save({"rank": self.world.rank, "world_size": self.world.world_size,
+                          "optimizer": self.optimizer.state_dict()}, path / _ONEBIT_STATE.format(self.world.rank))
         return save_checkpoint(self, save_dir, tag)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None) -> str:
         from zpp.zero.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag)
+        onebit = self._onebit_state_file(Path(load_dir), tag) if self._onebit is not None else None
+        path = load_checkpoint(self, load_dir, tag)
+        if onebit is not None:  # see [Note: 1-bit optimizers]
+            self.optimizer.load_state_dict(torch.load(onebit, map_location="cpu", weights_only=False)["optimizer"])
+            self.optimizer.flat.write_params()  # this rank's own weights (0/1 Adam's local steps)
+            for u in self.units:
+                if u.trainable:
+                    u.publish()
+        return path
+
+    def _onebit_state_file(self, root: Path, tag: str | None) -> Path | None:
+        """The 1-bit optimizer state this rank loads (its own, or rank 0's at another world
+        size); checked before anything is loaded. None where load_checkpoint will raise."""
+        latest = root / "latest"
+        if tag is None and not latest.exists():
+            return None
+        path = root / (tag or latest.read_text().strip())
+        if not (path / "meta.json").exists():
+            return None
+        saved_world = json.loads((path / "meta.json").read_text())["world_size"]
+        f = path / _ONEBIT_STATE.format(self.world.rank if saved_world == self.world.world_size else 0)
+        if not f.exists():
+            raise FileNotFoundError(
+                f"load_checkpoint: {f} missing: the checkpoint holds no {type(self.optimizer).__name__} state "
+                "(saved with another optimizer?); load the module's weights and start the optimizer afresh instead")
+        return f
 
     def close(self) -> None:
         """Remove every hook the engine installed."""
