@@ -17,12 +17,54 @@ peer or any other error propagates. If the fallback is refused too, the op raise
 
 Measured with torch 2.13 gloo (CPU, 2 and 4 ranks): every single-tensor op and every list op
 accepts fp32, fp64, fp16, bf16, uint8, int8, int32, int64 and bool, so no fallback is taken
-there. Reductions of fp16/bf16 accumulate in the 16-bit type (as NCCL does), so a sum over
-many ranks rounds at each step. Gloo's bool "sum" is a logical or. gloo's ``ReduceOp.AVG``
+there. Reductions of fp16/bf16 by the backend's own ops accumulate in the 16-bit type (as
+NCCL does), so a sum over many ranks rounds at each step; the gloo duplex reduce-scatter
+(below) accumulates them in fp32 instead. Gloo's bool "sum" is a logical or. gloo's ``ReduceOp.AVG``
 fails for integer dtypes, so "mean" is always sum-then-divide, and integer "mean" raises
 ``TypeError``. Data-movement ops on 2-byte floats go through a uint8 view (bit copies),
 which every backend version carries. Gloo refuses dtypes it lacks (int16, for one) with
 "Invalid scalar type"; that counts as "not supported".
+
+[Note: gloo duplex pairs]
+On gloo with CPU tensors, ``all_to_all`` and ``reduce_scatter`` do not use gloo's own ops by
+default. Measured on an emulated 2-node cluster (one shaped link per node): a gloo pair (one
+TCP connection per two ranks of a process group) often moves a two-way exchange at about
+half the link rate each way, while the same exchange split over two process groups, one
+per direction, runs at the full rate both ways; and gloo's ``reduce_scatter_tensor`` moves
+1.5x the buffer across nodes, like an all-reduce. So each transport holds a second process
+group over the same ranks (the "reverse" group) and sends every message from group rank
+``i`` to ``j`` on its own group when ``i < j`` and on the reverse group when ``i > j``:
+every connection carries one direction.
+
+* all_to_all: ``world_size - 1`` rounds of point-to-point ``isend`` / ``irecv``; in round
+  ``k`` rank ``r`` sends slice ``(r + k) % W`` to that rank and receives slice
+  ``(r - k) % W`` from that rank. Every round is posted at once and then waited for.
+* reduce_scatter of fp32, fp64, integers and bool: a ring of ``world_size - 1`` steps over
+  the ranks in node order (fewest node crossings); each step sends one partial slice to the
+  next rank, receives one from the previous and adds this rank's own slice. It moves
+  ``(W - 1) / W`` of the buffer per rank (on a node-major ring, a node's link carries one
+  slice per step each way) and adds in the input dtype (fp32 sums in fp32; integer sums
+  wrap as they do in gloo; bool "sum" is a logical or). The order of the additions differs
+  from gloo's, so float sums may differ from gloo's in the last bits.
+* reduce_scatter of fp16 / bf16: an all_to_all of the 16-bit slices (as above), then this
+  rank sums the ``world_size`` slices it received in fp32 and rounds to the 16-bit type
+  once (for "mean", after the division). A ring would either round at every step or double
+  the bytes on the wire with fp32 partials; the all_to_all moves ``(W - 1) / W`` of the
+  buffer per rank with no extra rounding, at the price of more node crossings than the
+  ring when several ranks share a node.
+* "mean" is the sum divided by ``world_size``.
+
+The reverse groups: ``torch.distributed.new_group`` must be entered by every rank of the
+default group in the same order. A transport over the whole world makes its reverse group
+at its first duplex collective (which every rank calls); ``_subgroup`` (intra / inter
+transports) makes the reverse group of each sub-group right after the sub-group itself, on
+every rank. A transport over any other group its caller made has no reverse group and
+uses gloo's own ops. Switch the duplex path off with ``gloo_duplex=False`` (constructor,
+:meth:`TorchTransport.init`) or ``ZPP_GLOO_DUPLEX=0`` in the environment; the attribute
+``gloo_duplex`` may be flipped between calls (the same way on every rank) to compare both
+paths in one job, but a sub-transport made while it was off has no reverse group and keeps
+using gloo's own ops. NCCL, and CUDA tensors on any backend, always take the backend's own
+ops.
 
 [Note: dead peers]
 ``timeout_s`` is handed to ``init_process_group`` and to every ``new_group``; gloo then
@@ -35,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -56,6 +99,36 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 DEFAULT_TIMEOUT_S = 300.0
+#: "0" (or false/no/off) makes gloo use its own all_to_all / reduce_scatter; see [Note: gloo duplex pairs].
+DUPLEX_ENV = "ZPP_GLOO_DUPLEX"
+
+# torch >= 2.6 takes group-local peers (group_dst / group_src); older releases want global ranks.
+_P2P_GROUP_PEER = "group_dst" in inspect.signature(dist.isend).parameters
+_HALF_FLOATS = (torch.float16, torch.bfloat16)
+#: The ring reduce-scatter sends each step's slice in pieces of about this many bytes (at most
+#: RING_MAX_PIECES), so one piece's next step overlaps the transfer of the next piece.
+RING_PIECE_BYTES = 64 << 10
+RING_MAX_PIECES = 64
+
+
+def duplex_from_env(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``$ZPP_GLOO_DUPLEX`` leaves the gloo duplex path on (Default: on)."""
+    value = env.get(DUPLEX_ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{DUPLEX_ENV}={env.get(DUPLEX_ENV)!r}: expected 1 or 0")
+
+
+class _Reverse:
+    """The reverse process group of a transport (see [Note: gloo duplex pairs]), shared by
+    every transport over the same process group; ``group`` is None until made."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
 
 
 class TorchTransport(Transport):
@@ -69,6 +142,9 @@ class TorchTransport(Transport):
         timeout_s: timeout given to sub-groups this transport creates (Default: torch's).
         prefer_single_tensor: use the single-tensor collectives where the backend has them
             (Default: True); False forces the list-based fallbacks (old backends, tests).
+        gloo_duplex: on gloo with CPU tensors, run all_to_all and reduce_scatter as
+            point-to-point exchanges split over two process groups, one per direction
+            (Default: ``$ZPP_GLOO_DUPLEX``, else True); see [Note: gloo duplex pairs].
     """
 
     name = "torch"
@@ -82,6 +158,8 @@ class TorchTransport(Transport):
         check_metadata: bool = True,
         timeout_s: float | None = None,
         prefer_single_tensor: bool = True,
+        gloo_duplex: bool | None = None,
+        _reverse: _Reverse | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TorchTransport: torch.distributed is not initialized; use TorchTransport.init()")
@@ -101,6 +179,8 @@ class TorchTransport(Transport):
         self.backend = str(dist.get_backend(self.group))
         # (op, dtype, device type) -> whether the single-tensor op works; see the Note.
         self._native: dict[tuple[str, torch.dtype, str], bool] = {}
+        self.gloo_duplex = duplex_from_env() if gloo_duplex is None else bool(gloo_duplex)
+        self._reverse = _reverse if _reverse is not None else _Reverse()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -111,6 +191,7 @@ class TorchTransport(Transport):
         *,
         env: Mapping[str, str] = os.environ,
         check_metadata: bool = True,
+        gloo_duplex: bool | None = None,
     ) -> TorchTransport:
         """The world transport of this job, initializing ``torch.distributed`` if needed.
 
@@ -122,6 +203,7 @@ class TorchTransport(Transport):
             env: the environment to read (Default: ``os.environ``): RANK, WORLD_SIZE,
                 MASTER_ADDR, MASTER_PORT as torchrun sets them (without WORLD_SIZE, a
                 one-rank world), and the node layout (see :meth:`Layout.from_env`).
+            gloo_duplex: see the class (Default: ``$ZPP_GLOO_DUPLEX`` of ``env``, else True).
         """
         if not dist.is_initialized():
             backend = backend or "gloo"
@@ -138,9 +220,15 @@ class TorchTransport(Transport):
                 dist.init_process_group(backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
         else:
             timeout_s = None
-        world = cls(check_metadata=check_metadata, timeout_s=timeout_s)
+        if gloo_duplex is None:
+            gloo_duplex = duplex_from_env(env)
+        world = cls(check_metadata=check_metadata, timeout_s=timeout_s, gloo_duplex=gloo_duplex)
         layout = agree_on_layout(world, env)
         world.nodes = tuple(layout.node_list())
+        # Ranks on different paths would make different process groups and hang.
+        world.check_agree(
+            "TorchTransport.init (gloo_duplex, $ZPP_GLOO_DUPLEX)", (int(world.gloo_duplex),), ("gloo_duplex",)
+        )
         return world
 
     # ------------------------------------------------------------------ collectives
@@ -158,6 +246,16 @@ class TorchTransport(Transport):
         if out.numel() == 0:
             return
         o, i = out.reshape(-1), inp.reshape(-1)
+        pair = self._duplex_pair(i)
+        if pair is not None:
+            with self._guard("reduce_scatter"):
+                if i.dtype in _HALF_FLOATS:
+                    self._duplex_reduce_scatter_half(o, i, op, pair)
+                    return
+                self._ring_reduce_scatter(o, i, pair)
+            if op == "mean":
+                out.div_(self.world_size)
+            return
         with self._guard("reduce_scatter"):
             if not self._try_native("reduce_scatter", i, lambda: _reduce_scatter_single(o, i, op=_REDUCE[op], group=self.group)):
                 def via_all_reduce() -> None:
@@ -181,7 +279,12 @@ class TorchTransport(Transport):
         if inp.numel() == 0:
             return
         o, i = _bits(out).reshape(-1), _bits(inp).reshape(-1)
+        pair = self._duplex_pair(i)
         with self._guard("all_to_all"):
+            if pair is not None:
+                n = self.world_size
+                self._pairwise_all_to_all(o.view(n, -1), i.view(n, -1), pair)
+                return
             if self._try_native("all_to_all", i, lambda: dist.all_to_all_single(o, i, group=self.group)):
                 return
             n = self.world_size
@@ -218,13 +321,18 @@ class TorchTransport(Transport):
             raise NotImplementedError(
                 f"TorchTransport: sub-groups can only be made from the world transport, not from {self!r}"
             )
-        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
-        group = dist.new_group([self.ranks[m] for m in members], timeout=timeout)
+        group = self._new_group([self.ranks[m] for m in members])
+        # Its reverse group right away, while every rank is here; see [Note: gloo duplex pairs].
+        reverse = None
+        if len(members) > 1 and self.gloo_duplex and "gloo" in self.backend:
+            reverse = self._new_group([self.ranks[m] for m in members])
         if self.rank not in members:
             return None
-        return self._child(group, members)
+        return self._child(group, members, _Reverse(reverse))
 
-    def _child(self, group: dist.ProcessGroup, members: tuple[int, ...]) -> TorchTransport:
+    def _child(
+        self, group: dist.ProcessGroup, members: tuple[int, ...], reverse: _Reverse | None = None
+    ) -> TorchTransport:
         return TorchTransport(
             group,
             nodes=[self.nodes[m] for m in members],
@@ -232,7 +340,101 @@ class TorchTransport(Transport):
             check_metadata=self.check_metadata,
             timeout_s=self.timeout_s,
             prefer_single_tensor=self.prefer_single_tensor,
+            gloo_duplex=self.gloo_duplex,
+            _reverse=reverse if reverse is not None else self._reverse,
         )
+
+    def _new_group(self, global_ranks: list[int]) -> dist.ProcessGroup:
+        """``dist.new_group``: collective over the whole default group, in program order."""
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        return dist.new_group(global_ranks, timeout=timeout)
+
+    # ------------------------------------------------------------------ gloo duplex pairs
+    def _duplex_pair(self, t: torch.Tensor) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+        """(group for messages to higher group ranks, group for messages to lower ones) when
+        ``t`` takes the duplex path, else None; see [Note: gloo duplex pairs]. Makes the
+        reverse group of a world transport on first use: call it only from a collective
+        that every rank enters, with the same decision on every rank."""
+        if not self.gloo_duplex or t.device.type != "cpu" or "gloo" not in self.backend:
+            return None
+        if self._reverse.group is None:
+            if self.world_size != dist.get_world_size():
+                return None  # a group made elsewhere: new_group here could hang; gloo's own ops
+            self._reverse.group = self._new_group(list(self.ranks))
+        return self.group, self._reverse.group
+
+    def _isend(self, t: torch.Tensor, peer: int, pair, tag: int = 0) -> dist.Work:
+        group = pair[0] if self.rank < peer else pair[1]
+        if _P2P_GROUP_PEER:
+            return dist.isend(t, group=group, group_dst=peer, tag=tag)
+        return dist.isend(t, dst=self.ranks[peer], group=group, tag=tag)
+
+    def _irecv(self, t: torch.Tensor, peer: int, pair, tag: int = 0) -> dist.Work:
+        group = pair[0] if peer < self.rank else pair[1]
+        if _P2P_GROUP_PEER:
+            return dist.irecv(t, group=group, group_src=peer, tag=tag)
+        return dist.irecv(t, src=self.ranks[peer], group=group, tag=tag)
+
+    def _pairwise_all_to_all(self, out_rows: torch.Tensor, in_rows: torch.Tensor, pair) -> None:
+        """Row ``j`` of ``in_rows`` to group rank ``j``; row ``i`` of ``out_rows`` from ``i``."""
+        n, r = self.world_size, self.rank
+        works = []
+        for k in range(1, n):
+            to, frm = (r + k) % n, (r - k) % n
+            works.append(self._irecv(out_rows[frm], frm, pair))
+            works.append(self._isend(in_rows[to], to, pair))
+        out_rows[r].copy_(in_rows[r])
+        _wait_all(works)
+
+    def _ring_order(self) -> list[int]:
+        """Group ranks in ring order: by node, then rank (one crossing into and out of each node)."""
+        return sorted(range(self.world_size), key=lambda q: (self.nodes[q], q))
+
+    def _ring_reduce_scatter(self, o: torch.Tensor, i: torch.Tensor, pair) -> None:
+        """``o`` = sum over ranks of slice ``rank`` of ``i``, by a pipelined ring in the input dtype."""
+        n = self.world_size
+        order = self._ring_order()
+        pos = order.index(self.rank)
+        nxt, prv = order[(pos + 1) % n], order[(pos - 1) % n]
+        rows = i.view(n, -1)
+        m = rows.shape[1]
+        pieces = max(1, min(RING_MAX_PIECES, -(-m * i.element_size() // RING_PIECE_BYTES), m))
+        cuts = [m * c // pieces for c in range(pieces + 1)]
+        spans = [slice(cuts[c], cuts[c + 1]) for c in range(pieces)]
+        # Step s of piece c receives the partial sum of slice order[pos - s - 2] into
+        # bufs[s % 3], adds this rank's part, and sends it on as step s + 1; step 0 sends this
+        # rank's part of slice order[pos - 1]; the last step receives this rank's own slice.
+        # A buffer is received into again only after the send that read it has completed.
+        bufs = [torch.empty(m, dtype=i.dtype) for _ in range(min(3, n - 1))]
+        sends: dict[tuple[int, int], dist.Work] = {}
+        recvs: dict[tuple[int, int], dist.Work] = {}
+        first = rows[order[(pos - 1) % n]]
+        for c, sp in enumerate(spans):
+            recvs[0, c] = self._irecv(bufs[0][sp], prv, pair, tag=c)
+            sends[0, c] = self._isend(first[sp], nxt, pair, tag=c)
+        for s in range(n - 1):
+            got, mine = bufs[s % len(bufs)], rows[order[(pos - s - 2) % n]]
+            for c, sp in enumerate(spans):
+                recvs.pop((s, c)).wait()
+                if s == n - 2:
+                    torch.add(got[sp], mine[sp], out=o[sp])
+                    continue
+                got[sp].add_(mine[sp])
+                if (s - 1, c) in sends:
+                    sends.pop((s - 1, c)).wait()
+                recvs[s + 1, c] = self._irecv(bufs[(s + 1) % len(bufs)][sp], prv, pair, tag=c)
+                sends[s + 1, c] = self._isend(got[sp], nxt, pair, tag=c)
+        _wait_all(list(sends.values()))
+
+    def _duplex_reduce_scatter_half(self, o: torch.Tensor, i: torch.Tensor, op: str, pair) -> None:
+        """fp16 / bf16: all_to_all of the slices, fp32 sum here, one rounding."""
+        n = self.world_size
+        got = torch.empty(n, o.numel(), dtype=i.dtype)
+        self._pairwise_all_to_all(_bits(got), _bits(i).view(n, -1), pair)
+        total = got.sum(0, dtype=torch.float32)
+        if op == "mean":
+            total.div_(n)
+        o.copy_(total)
 
     # ------------------------------------------------------------------ helpers
     def _try_native(self, op: str, t: torch.Tensor, call) -> bool:
@@ -273,6 +475,12 @@ class TorchTransport(Transport):
             if _PEER_GONE.search(msg):
                 raise ConnectionError(f"{where} lost a peer ({msg.splitlines()[0]})") from e
             raise
+
+
+def _wait_all(works: list) -> None:
+    for w in works:
+        if w is not None:
+            w.wait()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
