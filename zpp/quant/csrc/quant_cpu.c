@@ -213,33 +213,26 @@ static inline float bits16_to_f32(uint16_t h, int dt) {
 /* coding                                                                                */
 /* ------------------------------------------------------------------------------------ */
 
-/* Codes of n values read by LOAD(x, i) (an fp32 value): symmetric then asymmetric. */
-#define DEFINE_CODES(SUFFIX, INTYPE, LOAD)                                                  \
-    static void codes_sym_##SUFFIX(const INTYPE *restrict x, int64_t n, float scale,        \
-                                   float qmax, int8_t *restrict c) {                        \
-        const float lo = -qmax;                                                             \
-        for (int64_t i = 0; i < n; i++) {                                                   \
-            float q = rintf(LOAD(x, i) / scale);                                            \
-            /* the operand order of minps/maxps; no NaN can reach here */                  \
-            q = q < qmax ? q : qmax;                                                        \
-            q = q > lo ? q : lo;                                                            \
-            c[i] = (int8_t)(int32_t)q;                                                      \
-        }                                                                                   \
-    }                                                                                       \
-    static void codes_asym_##SUFFIX(const INTYPE *restrict x, int64_t n, float mn,          \
-                                    float scale, float levels, uint8_t *restrict c) {       \
-        for (int64_t i = 0; i < n; i++) {                                                   \
-            float q = rintf((LOAD(x, i) - mn) / scale);                                     \
-            q = q < levels ? q : levels;                                                    \
-            q = q > 0.0f ? q : 0.0f;                                                        \
-            c[i] = (uint8_t)(int32_t)q;                                                     \
-        }                                                                                   \
+static void codes_sym(const float *restrict x, int64_t n, float scale, float qmax,
+                      int8_t *restrict c) {
+    const float lo = -qmax;
+    for (int64_t i = 0; i < n; i++) {
+        float q = rintf(x[i] / scale);
+        q = q > qmax ? qmax : q;
+        q = q < lo ? lo : q;
+        c[i] = (int8_t)(int32_t)q;
     }
+}
 
-#define LOAD_F32(x, i) ((x)[i])
-#define LOAD_BF16(x, i) u2f((uint32_t)(x)[i] << 16)
-DEFINE_CODES(f32, float, LOAD_F32)
-DEFINE_CODES(bf16, u16a, LOAD_BF16)
+static void codes_asym(const float *restrict x, int64_t n, float mn, float scale, float levels,
+                       uint8_t *restrict c) {
+    for (int64_t i = 0; i < n; i++) {
+        float q = rintf((x[i] - mn) / scale);
+        q = q > levels ? levels : q;
+        q = q < 0.0f ? 0.0f : q;
+        c[i] = (uint8_t)(int32_t)q;
+    }
+}
 
 /* Two 4-bit codes per byte: element 2i in the low nibble, 2i+1 in the high nibble. */
 static void pack4(const uint8_t *restrict c, int64_t nbytes, uint8_t *restrict out) {
@@ -322,30 +315,25 @@ static void quant_group(const void *src, int dt, int64_t nsrc, int64_t nzero, in
     const size_t esz = dt_size(dt);
     for (int64_t j0 = 0; j0 < nval; j0 += TILE) {
         const int64_t t = min64(TILE, nval - j0);
-        uint8_t *c = bits == 8 ? out + j0 : ctile;
-        if (dt == DT_BF16 && j0 + t <= nsrc) {
-            /* bf16 -> fp32 is a shift: convert inside the coding loop */
-            const u16a *x = (const u16a *)src + j0;
-            if (sym)
-                codes_sym_bf16(x, t, scale, qmax, (int8_t *)c);
-            else
-                codes_asym_bf16(x, t, mn, scale, levels, c);
+        const float *x;
+        if (dt == DT_F32 && j0 + t <= nsrc) {
+            x = (const float *)src + j0;
         } else {
-            const float *x;
-            if (dt == DT_F32 && j0 + t <= nsrc) {
-                x = (const float *)src + j0;
-            } else {
-                const int64_t ns = max64(0, min64(t, nsrc - j0));
-                if (ns) load_f32((const char *)src + (size_t)j0 * esz, dt, ns, tile);
-                if (ns < t) memset(tile + ns, 0, (size_t)(t - ns) * 4);
-                x = tile;
-            }
-            if (sym)
-                codes_sym_f32(x, t, scale, qmax, (int8_t *)c);
-            else
-                codes_asym_f32(x, t, mn, scale, levels, c);
+            const int64_t ns = max64(0, min64(t, nsrc - j0));
+            if (ns) load_f32((const char *)src + (size_t)j0 * esz, dt, ns, tile);
+            if (ns < t) memset(tile + ns, 0, (size_t)(t - ns) * 4);
+            x = tile;
         }
-        if (bits == 4) {
+        if (bits == 8) {
+            if (sym)
+                codes_sym(x, t, scale, qmax, (int8_t *)(out + j0));
+            else
+                codes_asym(x, t, mn, scale, levels, out + j0);
+        } else {
+            if (sym)
+                codes_sym(x, t, scale, qmax, (int8_t *)ctile);
+            else
+                codes_asym(x, t, mn, scale, levels, ctile);
             ctile[t] = 0; /* odd tail: the high nibble of the last byte is padding */
             pack4(ctile, (t + 1) / 2, out + j0 / 2);
         }
