@@ -42,6 +42,11 @@
 #endif
 
 #define ZPP_API __attribute__((visibility("default")))
+#if defined(__clang__)
+#define ZPP_NOIPA __attribute__((noinline))
+#else
+#define ZPP_NOIPA __attribute__((noinline, noipa))
+#endif
 #define ZPP_ABI_VERSION 5
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
@@ -52,6 +57,8 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
  * size, so a thread that the OS delays (an oversubscribed machine) does not hold up a
  * fixed half of the work. */
 #define BLOCK 16384
+/* Inputs above this size get the next group prefetched (see zpp_quantize). */
+#define PREFETCH_MIN_BYTES ((int64_t)2 << 20)
 
 typedef uint32_t u32a __attribute__((may_alias));
 typedef uint16_t u16a __attribute__((may_alias));
@@ -213,26 +220,33 @@ static inline float bits16_to_f32(uint16_t h, int dt) {
 /* coding                                                                                */
 /* ------------------------------------------------------------------------------------ */
 
-static void codes_sym(const float *restrict x, int64_t n, float scale, float qmax,
-                      int8_t *restrict c) {
-    const float lo = -qmax;
-    for (int64_t i = 0; i < n; i++) {
-        float q = rintf(x[i] / scale);
-        q = q > qmax ? qmax : q;
-        q = q < lo ? lo : q;
-        c[i] = (int8_t)(int32_t)q;
+/* Codes of n values read by LOAD(x, i) (an fp32 value): symmetric then asymmetric. */
+#define DEFINE_CODES(SUFFIX, INTYPE, LOAD)                                                  \
+    static void codes_sym_##SUFFIX(const INTYPE *restrict x, int64_t n, float scale,        \
+                                   float qmax, int8_t *restrict c) {                        \
+        const float lo = -qmax;                                                             \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            float q = rintf(LOAD(x, i) / scale);                                            \
+            /* the operand order of minps/maxps; no NaN can reach here */                  \
+            q = q < qmax ? q : qmax;                                                        \
+            q = q > lo ? q : lo;                                                            \
+            c[i] = (int8_t)(int32_t)q;                                                      \
+        }                                                                                   \
+    }                                                                                       \
+    static void codes_asym_##SUFFIX(const INTYPE *restrict x, int64_t n, float mn,          \
+                                    float scale, float levels, uint8_t *restrict c) {       \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            float q = rintf((LOAD(x, i) - mn) / scale);                                     \
+            q = q < levels ? q : levels;                                                    \
+            q = q > 0.0f ? q : 0.0f;                                                        \
+            c[i] = (uint8_t)(int32_t)q;                                                     \
+        }                                                                                   \
     }
-}
 
-static void codes_asym(const float *restrict x, int64_t n, float mn, float scale, float levels,
-                       uint8_t *restrict c) {
-    for (int64_t i = 0; i < n; i++) {
-        float q = rintf((x[i] - mn) / scale);
-        q = q > levels ? levels : q;
-        q = q < 0.0f ? 0.0f : q;
-        c[i] = (uint8_t)(int32_t)q;
-    }
-}
+#define LOAD_F32(x, i) ((x)[i])
+#define LOAD_BF16(x, i) u2f((uint32_t)(x)[i] << 16)
+DEFINE_CODES(f32, float, LOAD_F32)
+DEFINE_CODES(bf16, u16a, LOAD_BF16)
 
 /* Two 4-bit codes per byte: element 2i in the low nibble, 2i+1 in the high nibble. */
 static void pack4(const uint8_t *restrict c, int64_t nbytes, uint8_t *restrict out) {
@@ -240,13 +254,25 @@ static void pack4(const uint8_t *restrict c, int64_t nbytes, uint8_t *restrict o
         out[i] = (uint8_t)((c[2 * i] & 0x0Fu) | (uint8_t)(c[2 * i + 1] << 4));
 }
 
+/* Prefetch bytes [a, b) of p. Out of line (inlined, its loop perturbed the register
+ * allocation of the coding loops around it: ~15% slower in cache), and noipa so that gcc
+ * does not find it free of side effects and drop the calls. */
+ZPP_NOIPA static void prefetch_range(const char *p, int64_t a, int64_t b) {
+    for (; a < b; a += 64) __builtin_prefetch(p + a, 0, 3);
+}
+
 /*
  * Quantize one group of G positions. Its first nsrc elements come from src (dtype dt),
  * the next nzero elements are +0.0 (real elements: they enter the statistics), the rest
  * up to G are padding. Writes G*bits/8 bytes at out and 1 (sym) or 2 floats at sc.
+ * next/next_bytes (or NULL/0): the input of the group that follows, prefetched while this
+ * one is coded, so its statistics pass finds it in cache (the hardware prefetcher stops
+ * running ahead while the coding pass works from L1; this is worth 15-25% on inputs that
+ * come from memory).
  */
 static void quant_group(const void *src, int dt, int64_t nsrc, int64_t nzero, int64_t G,
-                        int bits, int sym, uint8_t *restrict out, float *restrict sc) {
+                        int bits, int sym, uint8_t *restrict out, float *restrict sc,
+                        const char *next, int64_t next_bytes) {
     const int64_t nval = nsrc + nzero;
     const int64_t gbytes = G * bits / 8;
     float scale, mn = 0.0f;
@@ -307,6 +333,7 @@ static void quant_group(const void *src, int dt, int64_t nsrc, int64_t nzero, in
         memset(out, 0, (size_t)gbytes);
         return;
     }
+    const int64_t pf_step = (next_bytes + nval - 1) / nval; /* next's bytes per element here */
 
     const float qmax = bits == 8 ? 127.0f : 7.0f;
     const float levels = bits == 8 ? 255.0f : 15.0f;
@@ -315,25 +342,32 @@ static void quant_group(const void *src, int dt, int64_t nsrc, int64_t nzero, in
     const size_t esz = dt_size(dt);
     for (int64_t j0 = 0; j0 < nval; j0 += TILE) {
         const int64_t t = min64(TILE, nval - j0);
-        const float *x;
-        if (dt == DT_F32 && j0 + t <= nsrc) {
-            x = (const float *)src + j0;
+        uint8_t *c = bits == 8 ? out + j0 : ctile;
+        if (next) /* pull the next group toward the cache while this one computes */
+            prefetch_range(next, j0 * pf_step, min64((j0 + t) * pf_step, next_bytes));
+        if (dt == DT_BF16 && j0 + t <= nsrc) {
+            /* bf16 -> fp32 is a shift: convert inside the coding loop */
+            const u16a *x = (const u16a *)src + j0;
+            if (sym)
+                codes_sym_bf16(x, t, scale, qmax, (int8_t *)c);
+            else
+                codes_asym_bf16(x, t, mn, scale, levels, c);
         } else {
-            const int64_t ns = max64(0, min64(t, nsrc - j0));
-            if (ns) load_f32((const char *)src + (size_t)j0 * esz, dt, ns, tile);
-            if (ns < t) memset(tile + ns, 0, (size_t)(t - ns) * 4);
-            x = tile;
+            const float *x;
+            if (dt == DT_F32 && j0 + t <= nsrc) {
+                x = (const float *)src + j0;
+            } else {
+                const int64_t ns = max64(0, min64(t, nsrc - j0));
+                if (ns) load_f32((const char *)src + (size_t)j0 * esz, dt, ns, tile);
+                if (ns < t) memset(tile + ns, 0, (size_t)(t - ns) * 4);
+                x = tile;
+            }
+            if (sym)
+                codes_sym_f32(x, t, scale, qmax, (int8_t *)c);
+            else
+                codes_asym_f32(x, t, mn, scale, levels, c);
         }
-        if (bits == 8) {
-            if (sym)
-                codes_sym(x, t, scale, qmax, (int8_t *)(out + j0));
-            else
-                codes_asym(x, t, mn, scale, levels, out + j0);
-        } else {
-            if (sym)
-                codes_sym(x, t, scale, qmax, (int8_t *)ctile);
-            else
-                codes_asym(x, t, mn, scale, levels, ctile);
+        if (bits == 4) {
             ctile[t] = 0; /* odd tail: the high nibble of the last byte is padding */
             pack4(ctile, (t + 1) / 2, out + j0 / 2);
         }
@@ -437,6 +471,18 @@ static void dequant_range(const uint8_t *restrict data, const float *restrict sc
 
 ZPP_API int zpp_abi_version(void) { return ZPP_ABI_VERSION; }
 
+/* Swizzled positions [p, p+len) (see zpp_quantize): when they lie in one chunk, their
+ * source is one run starting at *src0, of which the returned count are real elements (the
+ * rest lie past numel: zeros). Returns -1 when the positions span chunks. */
+static inline int64_t swizzle_run(int64_t p, int64_t len, int64_t numel, int64_t nodes,
+                                  int64_t rpn, int64_t chunk, int64_t *src0) {
+    if (p / chunk != (p + len - 1) / chunk) return -1;
+    const int64_t nc = nodes * chunk; /* positions per local rank */
+    const int64_t l = p / nc, r = p % nc;
+    *src0 = ((r / chunk) * rpn + l) * chunk + r % chunk;
+    return max64(0, min64(len, numel - *src0));
+}
+
 ZPP_API int zpp_have_f16c(void) { return ZPP_HAVE_F16C; }
 
 /*
@@ -460,6 +506,9 @@ ZPP_API int zpp_quantize(const void *x, int dt, int64_t numel, int swizzle, int6
     const size_t esz = dt_size(dt);
     const char *xs = (const char *)x;
     const int64_t grab = groups_per_grab(G);
+    /* Prefetch the next group for inputs larger than the L2 caches: measured on a 2-core
+     * Zen 1, 15-30% faster from 4 MiB up, ~5% slower when the input sits in L2. */
+    const int prefetch = numel * (int64_t)esz > PREFETCH_MIN_BYTES;
     int err = 0;
     if (nthreads < 1) nthreads = 1;
 
@@ -470,21 +519,26 @@ ZPP_API int zpp_quantize(const void *x, int dt, int64_t numel, int swizzle, int6
         for (int64_t g = 0; g < groups; g++) {
             const int64_t p0 = g * G;
             const int64_t len = min64(G, total - p0);
+            const int64_t len1 = min64(G, total - p0 - len); /* the next group's length */
             uint8_t *o = out + g * gbytes;
             float *s = scales + g * nsc;
             if (!swizzle) {
-                quant_group(xs + (size_t)p0 * esz, dt, len, 0, G, bits, sym, o, s);
+                const int pf = prefetch && len1 > 0;
+                quant_group(xs + (size_t)p0 * esz, dt, len, 0, G, bits, sym, o, s,
+                            pf ? xs + (size_t)(p0 + len) * esz : NULL, pf ? len1 * (int64_t)esz : 0);
+                continue;
+            }
+            int64_t src0;
+            const int64_t ns = swizzle_run(p0, len, numel, nodes, rpn, chunk, &src0);
+            if (ns >= 0) {
+                /* the group lies in one chunk: its source is one contiguous run */
+                int64_t src1 = 0, ns1 = 0;
+                if (prefetch && len1 > 0) ns1 = swizzle_run(p0 + len, len1, numel, nodes, rpn, chunk, &src1);
+                quant_group(ns ? xs + (size_t)src0 * esz : xs, dt, ns, len - ns, G, bits, sym, o, s,
+                            ns1 > 0 ? xs + (size_t)src1 * esz : NULL, ns1 > 0 ? ns1 * (int64_t)esz : 0);
                 continue;
             }
             const int64_t nc = nodes * chunk; /* positions per local rank */
-            if (p0 / chunk == (p0 + len - 1) / chunk) {
-                /* the group lies in one chunk: its source is one contiguous run */
-                const int64_t l = p0 / nc, r = p0 % nc;
-                const int64_t src0 = ((r / chunk) * rpn + l) * chunk + r % chunk;
-                const int64_t ns = max64(0, min64(len, numel - src0));
-                quant_group(ns ? xs + (size_t)src0 * esz : xs, dt, ns, len - ns, G, bits, sym, o, s);
-                continue;
-            }
             /* the group spans chunks: gather it into fp32 scratch */
             if (!buf) buf = (float *)malloc((size_t)G * sizeof(float));
             if (!buf) {
@@ -497,13 +551,13 @@ ZPP_API int zpp_quantize(const void *x, int dt, int64_t numel, int swizzle, int6
                 const int64_t l = p / nc, r = p % nc;
                 const int64_t c = r % chunk;
                 const int64_t run = min64(chunk - c, p0 + len - p);
-                const int64_t src0 = ((r / chunk) * rpn + l) * chunk + c;
-                const int64_t ns = max64(0, min64(run, numel - src0));
-                if (ns) load_f32(xs + (size_t)src0 * esz, dt, ns, buf + (p - p0));
-                if (ns < run) memset(buf + (p - p0) + ns, 0, (size_t)(run - ns) * 4);
+                const int64_t from = ((r / chunk) * rpn + l) * chunk + c;
+                const int64_t real = max64(0, min64(run, numel - from));
+                if (real) load_f32(xs + (size_t)from * esz, dt, real, buf + (p - p0));
+                if (real < run) memset(buf + (p - p0) + real, 0, (size_t)(run - real) * 4);
                 p += run;
             }
-            quant_group(buf, DT_F32, len, 0, G, bits, sym, o, s);
+            quant_group(buf, DT_F32, len, 0, G, bits, sym, o, s, NULL, 0);
         }
         free(buf);
     }
@@ -592,7 +646,7 @@ ZPP_API int zpp_reduce_sum(const uint8_t *data, const float *scales, int64_t k, 
             if (!buf) continue;
             const int64_t a = g * rG, n = min64(rG, slice - a);
             reduce_tile(data, scales, k, slice, bits, G, sym, divide, div, a, n, buf);
-            quant_group(buf, DT_F32, n, 0, rG, rbits, sym, rdata + g * gbytes, rscales + g * nsc);
+            quant_group(buf, DT_F32, n, 0, rG, rbits, sym, rdata + g * gbytes, rscales + g * nsc, NULL, 0);
         }
         free(buf);
     }
