@@ -5,6 +5,15 @@ and dtype); stages 0-2 make size-capped buckets. A unit owns a :class:`FlatShard
 how to gather, release, reduce gradients and publish an optimizer update, choosing the
 plain or the ZeRO++ collective from the configuration. The engine decides *when*.
 
+[Note: stage 1 bytes]
+Stage 1 moves what DDP moves. DDP's all-reduce of ``P`` bytes sends ``2P(W-1)/W`` per rank
+(a reduce-scatter plus an all-gather); stage 1 reduce-scatters the summed gradients into
+the owned shard at the accumulation boundary (``P(W-1)/W``), steps the optimizer on the
+shard, and all-gathers the updated parameters (``P(W-1)/W``). Only the padding of the
+shards (to ``SHARD_ALIGN * W`` elements) differs. The gradients stay full and local
+between micro-steps (``.grad``), so accumulation reduces once per optimizer step; stage 2
+reduce-scatters every micro-step and keeps only the shard.
+
 [Note: which gather]
 Stage 3 gathers a unit before each forward and each backward use:
 
@@ -148,17 +157,20 @@ class Unit:
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self) -> None:
-        """Average this micro-step's gradients over the world into ``flat.grad`` (owned
-        range, fp32) and free the parameters' ``.grad``. Stage 0/1: all-reduce; stage 2/3:
-        reduce-scatter, qgZ's quantized two-hop one when switched on."""
+        """Average the gradients accumulated in the parameters' ``.grad`` over the world into
+        ``flat.grad`` (owned range, fp32) and free the ``.grad``. Stage 0: all-reduce (every
+        rank owns everything); stages 1-3: reduce-scatter into the owned shard, qgZ's
+        quantized two-hop one when switched on (stage 3). Stages 0-1 call it once per
+        optimizer step (the micro-steps' gradients summed in ``.grad``), stages 2-3 once per
+        micro-step; see [Note: stage 1 bytes]."""
         ctx, f, lay = self.ctx, self.flat, self.layout
         grads = [p.grad for p in self.params]
         flat = lay.flatten(grads, torch.float32, f.shard.device)
         for p in self.params:
             p.grad = None
-        if ctx.stage < 2:
+        if ctx.stage == 0:
             ctx.world.all_reduce(flat, "mean")
-            f.add_grad(flat[lay.owned(f.rank)])
+            f.add_grad(flat)
         else:
             out = torch.empty(lay.shard_numel, dtype=torch.float32, device=flat.device)
             if ctx.zero.quantized_gradients and ctx.world.world_size > 1:
