@@ -1,7 +1,8 @@
 """Compressed collectives, written once over :class:`~zpp.comm.transport.Transport`.
 
 * :func:`quantized_all_gather` (qwZ): quantize the shard, all-gather payload and scales,
-  dequantize. Plain counterpart: ``Transport.all_gather``.
+  dequantize. Plain counterpart: ``Transport.all_gather``. :func:`quantized_all_gather_async`
+  starts it and dequantizes at ``wait()``.
 * :func:`quantized_reduce_scatter` (qgZ): two all-to-all hops (intra-node, then inter-node)
   over int4/int8 payloads with a swizzled layout and a fused dequantize-sum-requantize in
   between. Plain counterparts: :func:`hierarchical_reduce_scatter` (the same two hops in full
@@ -23,13 +24,14 @@ from __future__ import annotations
 import torch
 
 import zpp.quant as zq
-from zpp.comm.transport import Transport
+from zpp.comm.transport import Transport, Work
 from zpp.quant.types import DEFAULT_GROUP_SIZE, check_params
 
 __all__ = [
     "effective_group_size",
     "hierarchical_reduce_scatter",
     "quantized_all_gather",
+    "quantized_all_gather_async",
     "quantized_reduce_scatter",
 ]
 
@@ -54,6 +56,22 @@ def quantized_all_gather(
     ``dequantize(quantize(shard))`` in rank order, exactly. Any shard size; fp32, fp16 or
     bf16 (``out`` may have another float dtype than ``shard``). The group size is
     :func:`effective_group_size` of ``group_size`` and the shard."""
+    quantized_all_gather_async(out, shard, transport=transport, bits=bits, group_size=group_size).wait()
+    return out
+
+
+def quantized_all_gather_async(
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    *,
+    transport: Transport,
+    bits: int = 8,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> Work:
+    """:func:`quantized_all_gather` started: the shard is quantized and the all-gathers of
+    payload and scales are in flight when it returns; ``wait()`` waits for both and
+    dequantizes into ``out``. Bytes are booked at the call (see [Note: asynchronous
+    collectives] in :mod:`zpp.comm.transport`)."""
     world = transport.world_size
     if out.numel() != world * shard.numel():
         raise ValueError(
@@ -69,19 +87,23 @@ def quantized_all_gather(
     data = torch.empty(world * q.data.numel(), dtype=torch.uint8, device=shard.device)
     scales = torch.empty(world * q.scales.numel(), dtype=torch.float32, device=shard.device)
     with transport.counters.collective("quantized_all_gather", out.numel() * out.element_size()):
-        transport.all_gather(data, q.data)
-        transport.all_gather(scales, q.scales.reshape(-1))
-    n = shard.numel()
-    padded = q.groups * group_size
-    # Every rank's payload is whole groups, so the gathered payload reads as one tensor.
-    whole = zq.QuantizedTensor(data, scales, torch.Size((world * padded,)), shard.dtype, bits,
-                               group_size, True)
-    if padded == n:
-        out.view(-1).copy_(zq.dequantize(whole, dtype=out.dtype))
-    else:
-        full = zq.dequantize(whole, dtype=out.dtype).view(world, padded)
-        out.view(world, n).copy_(full[:, :n])
-    return out
+        works = (transport.all_gather_async(data, q.data), transport.all_gather_async(scales, q.scales.reshape(-1)))
+
+    def finish() -> None:
+        for w in works:
+            w.wait()
+        n = shard.numel()
+        padded = q.groups * group_size
+        # Every rank's payload is whole groups, so the gathered payload reads as one tensor.
+        whole = zq.QuantizedTensor(data, scales, torch.Size((world * padded,)), shard.dtype, bits,
+                                   group_size, True)
+        if padded == n:
+            out.view(-1).copy_(zq.dequantize(whole, dtype=out.dtype))
+        else:
+            full = zq.dequantize(whole, dtype=out.dtype).view(world, padded)
+            out.view(world, n).copy_(full[:, :n])
+
+    return Work("quantized_all_gather", finish, asynchronous=any(w.asynchronous for w in works))
 
 
 def _slices(out: torch.Tensor, inp: torch.Tensor, world: int, who: str) -> torch.Tensor:

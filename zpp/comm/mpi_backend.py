@@ -26,7 +26,9 @@ MPI's blocking collectives wait forever for a peer that died without taking the 
 (a launcher that does not kill the job, a rank stuck elsewhere). Every collective here is
 therefore the non-blocking one (``Iallgather``, ``Ialltoall``, ``Iallreduce``,
 ``Ireduce_scatter_block``, ``Ibcast``, ``Ibarrier``) polled with ``Test()`` until
-``timeout_s`` passes, then ``TimeoutError`` names the op and the rank. Polling yields the
+``timeout_s`` passes, then ``TimeoutError`` names the op and the rank. ``all_gather_async``
+starts the ``Iallgather`` and polls it the same way in ``Work.wait()``, the ``timeout_s``
+counted from the call of ``wait()``; other collectives polled meanwhile also progress it. Polling yields the
 CPU between tests (``sleep(0)`` at first, then ``poll_interval_s``): on an oversubscribed
 machine this was faster than MPICH's busy-waiting ``Wait``. A collective cannot be
 cancelled, so after a timeout the request and its buffers are kept alive (MPI may still
@@ -46,7 +48,7 @@ import torch
 
 from zpp.comm.counters import WireCounters
 from zpp.comm.topology import agree_on_layout
-from zpp.comm.transport import Transport
+from zpp.comm.transport import Transport, Work
 
 CUDA_AWARE_ENV = "ZPP_MPI_CUDA_AWARE"
 DEFAULT_TIMEOUT_S = 300.0
@@ -164,6 +166,23 @@ class MpiTransport(Transport):
         with self._staged((out,), (inp,)) as (o, i):
             self._run("all_gather", lambda: self.comm.Iallgather(self._buf(i), self._buf(o)), (o, i))
 
+    def _all_gather_async(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """``Iallgather``, polled to completion against ``timeout_s`` in ``wait()``; CUDA
+        tensors without CUDA-aware MPI go through host copies, the output copied back at
+        ``wait()``. See [Note: MPI timeouts]."""
+        if inp.numel() == 0:
+            return Work("all_gather", None, asynchronous=False)
+        staged = not (self.cuda_aware or (out.device.type == "cpu" and inp.device.type == "cpu"))
+        o, i = (out.cpu(), inp.cpu()) if staged else (out, inp)
+        req = self._start("all_gather", lambda: self.comm.Iallgather(self._buf(i), self._buf(o)), (o, i))
+
+        def finish() -> None:
+            self._poll("all_gather", req, (o, i))
+            if staged:
+                out.copy_(o)
+
+        return Work("all_gather", finish)
+
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         mpi_op = self._op(op, inp.dtype)
         if out.numel() == 0:
@@ -257,12 +276,19 @@ class MpiTransport(Transport):
 
     def _run(self, op: str, start, keep: tuple) -> None:
         """Start a non-blocking collective and poll it to completion or ``timeout_s``."""
+        self._poll(op, self._start(op, start, keep), keep)
+
+    def _start(self, op: str, start, keep: tuple):
+        """Start a non-blocking collective over the buffers ``keep``; its request."""
         if self._broken is not None:
             raise RuntimeError(f"{op}: MpiTransport rank {self.rank} is unusable since {self._broken}; abort the job")
         for t in keep:  # MPI does not know torch's streams: finish the kernels that fill t
             if t.is_cuda:
                 torch.cuda.current_stream(t.device).synchronize()
-        req = start()
+        return start()
+
+    def _poll(self, op: str, req, keep: tuple) -> None:
+        """Poll ``req`` to completion, or raise TimeoutError ``timeout_s`` from now."""
         deadline = time.monotonic() + self.timeout_s
         polls = 0
         while not req.Test():

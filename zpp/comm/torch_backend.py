@@ -87,7 +87,7 @@ import torch.distributed as dist
 
 from zpp.comm.counters import WireCounters
 from zpp.comm.topology import agree_on_layout
-from zpp.comm.transport import Transport
+from zpp.comm.transport import Transport, Work
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _NOT_SUPPORTED = re.compile(r"not support|unsupported|no support|not implemented|invalid scalar type", re.I)
@@ -240,6 +240,25 @@ class TorchTransport(Transport):
             if self._try_native("all_gather", i, lambda: _all_gather_single(o, i, group=self.group)):
                 return
             self._fallback("all_gather", i, lambda: dist.all_gather(list(o.chunk(self.world_size)), i, group=self.group))
+
+    def _all_gather_async(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """``async_op=True`` of the same op ``_all_gather`` picks (single-tensor, else list);
+        waited under the same guard, so a dead peer raises TimeoutError / ConnectionError."""
+        if inp.numel() == 0:
+            return Work("all_gather", None, asynchronous=False)
+        o, i = _bits(out).reshape(-1), _bits(inp).reshape(-1)
+        handle: list[dist.Work] = []
+        with self._guard("all_gather"):
+            if not self._try_native("all_gather", i, lambda: handle.append(
+                    _all_gather_single(o, i, group=self.group, async_op=True))):
+                self._fallback("all_gather", i, lambda: handle.append(
+                    dist.all_gather(list(o.chunk(self.world_size)), i, group=self.group, async_op=True)))
+
+        def finish() -> None:  # torch's work holds o and i until it completes
+            with self._guard("all_gather"):
+                handle[0].wait()
+
+        return Work("all_gather", finish)
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
         _check_mean(op, inp.dtype)

@@ -10,11 +10,30 @@ With ``check_metadata=True`` (the default) every call first all-gathers a few in
 (op, element count, dtype) over the backend, and every rank raises the same ``ValueError``
 if they differ; mismatched calls thus fail on every rank instead of hanging or reading
 garbage. It costs one tiny collective per call; switch it off for speed once a job runs.
+
+[Note: asynchronous collectives]
+``all_gather_async(out, inp)`` starts the all-gather and returns a :class:`Work`; ``out``
+holds the result once ``work.wait()`` returns. Validation, the metadata check (itself a
+small blocking collective) and wire accounting happen at the call, exactly as for
+``all_gather``, so a check fails on every rank before anything is in flight, and bytes are
+booked once whether or not the work is ever waited. Every rank must start and wait its
+works in the same order relative to its other calls on the transport, as with any
+collective. Rules, checked where it is cheap:
+
+* ``wait()`` exactly once: a second ``wait()`` raises ``RuntimeError`` naming the op.
+* Until it is waited, a work's ``out`` belongs to the backend: a call on the same
+  transport whose tensors overlap the ``out`` of one of its works in flight raises
+  ``RuntimeError`` (a forgotten ``wait()``). ``inflight`` lists the works not yet waited.
+* A backend without non-blocking collectives runs the blocking one and returns a finished
+  work whose ``asynchronous`` is False, so callers can count that fallback.
+
+Backends time out inside ``wait()`` like their blocking ops (``timeout_s`` from the call of
+``wait()``), raising ``TimeoutError`` / ``ConnectionError`` naming the op and the rank.
 """
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,6 +45,50 @@ _DTYPE_CODES = {
     torch.uint8: 5, torch.int8: 6, torch.int32: 7, torch.int64: 8, torch.bool: 9,
 }
 REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class Work:
+    """A collective in flight; see [Note: asynchronous collectives].
+
+    Args:
+        op: the collective's name (for messages).
+        finish: completes the collective (blocks until ``out`` is written); None for work
+            that is already done.
+        asynchronous: whether the collective really runs in the background (False: the
+            backend ran it to completion at the call).
+        buffers: (start, end) address ranges of the outputs, for the overlap check.
+    """
+
+    __slots__ = ("op", "asynchronous", "_finish", "_waited", "_owner", "buffers")
+
+    def __init__(self, op: str, finish: Callable[[], None] | None = None, *, asynchronous: bool = True,
+                 buffers: tuple[tuple[int, int], ...] = ()) -> None:
+        self.op = op
+        self.asynchronous = asynchronous and finish is not None
+        self._finish = finish
+        self._waited = False
+        self._owner: Transport | None = None
+        self.buffers = buffers
+
+    @property
+    def waited(self) -> bool:
+        return self._waited
+
+    def wait(self) -> None:
+        """Block until the collective's output is written. Call it exactly once."""
+        if self._waited:
+            raise RuntimeError(f"{self.op}: this work was already waited; wait() each work exactly once")
+        self._waited = True
+        if self._owner is not None:
+            self._owner._inflight.remove(self)
+            self._owner = None
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+    def __repr__(self) -> str:
+        state = "waited" if self._waited else "in flight"
+        return f"Work({self.op}, {state}, asynchronous={self.asynchronous})"
 
 
 class Transport(abc.ABC):
@@ -61,6 +124,7 @@ class Transport(abc.ABC):
         self.nodes = tuple(nodes)
         self.counters = counters if counters is not None else WireCounters()
         self.check_metadata = check_metadata
+        self._inflight: list[Work] = []
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
@@ -81,6 +145,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None: ...
 
+    def _all_gather_async(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """Start the all-gather; backends with non-blocking collectives override this.
+        Default: the blocking one, reported as ``asynchronous=False``."""
+        self._all_gather(out, inp)
+        return Work("all_gather", None, asynchronous=False)
+
     @abc.abstractmethod
     def _subgroup(self, members: tuple[int, ...]) -> Transport | None:
         """A transport over group-local ``members`` (sorted), or None on non-members.
@@ -97,10 +167,33 @@ class Transport(abc.ABC):
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``world_size * inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
-        self._check("all_gather", inp, out)
+        if self._start_all_gather("all_gather", out, inp):
+            self._all_gather(out, inp)
+
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """Start ``all_gather(out, inp)``; ``out`` is valid once the returned work's
+        ``wait()`` returns. See [Note: asynchronous collectives]."""
+        if not self._start_all_gather("all_gather_async", out, inp):
+            return Work("all_gather", None, asynchronous=False)
+        work = self._all_gather_async(out, inp)
+        if not work.waited and work._finish is not None:
+            work.buffers = (_span(out),)
+            work._owner = self
+            self._inflight.append(work)
+        return work
+
+    @property
+    def inflight(self) -> tuple[Work, ...]:
+        """Works started on this transport and not yet waited."""
+        return tuple(self._inflight)
+
+    def _start_all_gather(self, what: str, out: torch.Tensor, inp: torch.Tensor) -> bool:
+        """Checks, metadata and accounting of an all-gather; False when it is done already
+        (one rank: ``out`` is a copy of ``inp``)."""
+        self._check(what, inp, out)
         if out.numel() != inp.numel() * self.world_size:
             raise ValueError(
-                f"all_gather: out has {out.numel()} elements, expected world_size*inp = "
+                f"{what}: out has {out.numel()} elements, expected world_size*inp = "
                 f"{self.world_size}*{inp.numel()}"
             )
         self._meta("all_gather", inp)
@@ -108,8 +201,8 @@ class Transport(abc.ABC):
         self._account("all_gather", _nbytes(out), [nb] * self.world_size)
         if self.world_size == 1:
             out.reshape(-1).copy_(inp.reshape(-1))
-            return
-        self._all_gather(out, inp)
+            return False
+        return True
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "mean") -> None:
         """``out`` receives slice ``rank`` of the element-wise ``op`` ("sum"/"mean") of every ``inp``."""
@@ -183,6 +276,13 @@ class Transport(abc.ABC):
                 raise ValueError(f"{op}: tensors must be contiguous ({t.shape=} {t.stride()=})")
         if dtype not in self.supported_dtypes:
             raise TypeError(f"{op}: the {self.name} transport cannot carry dtype {dtype}")
+        for work in self._inflight:  # see [Note: asynchronous collectives]
+            for t in tensors:
+                a, b = _span(t)
+                if a < b and any(a < e and s < b for s, e in work.buffers):
+                    raise RuntimeError(
+                        f"{op}: a tensor ({t.shape=}, {t.dtype}) overlaps the output of {work!r} on rank "
+                        f"{self.rank}; wait() that work before using its output")
 
     def _meta(self, op: str, t: torch.Tensor, extra: int = 0) -> None:
         self.check_agree(op, (_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra),
@@ -240,6 +340,11 @@ class Transport(abc.ABC):
 def _check_mean(op: str, reduce_op: str, t: torch.Tensor) -> None:
     if reduce_op == "mean" and not t.dtype.is_floating_point:
         raise TypeError(f"{op}: op='mean' needs a floating dtype, got {t.dtype}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The address range ``[start, end)`` of a contiguous tensor's elements."""
+    return t.data_ptr(), t.data_ptr() + _nbytes(t)
 
 
 def _nbytes(t: torch.Tensor) -> int:
