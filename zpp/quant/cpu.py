@@ -322,39 +322,59 @@ class _CpuKernels:
 
 
     # -- 1-bit error feedback ([Note: 1-bit kernels] in reference.py) --------------------
-    def onebit_compress(self, x, error, numel):
+    def onebit_compress(self, x, error, numel, out=None):
         x = _cpu_flat(x, "input")
         if error.device.type != "cpu" or not error.is_contiguous() or error.dtype != torch.float32:
             raise ValueError("zpp.quant.cpu: error buffer must be a contiguous float32 CPU tensor")
         if numel > min(x.numel(), error.numel()) or error.numel() % 8:
             raise ValueError(f"zpp.quant.cpu: numel={numel}, x {x.numel()}, error {error.numel()}")
-        packed = torch.empty(error.numel() // 8, dtype=torch.uint8)
-        scale = torch.empty(1, dtype=torch.float32)
+        if out is None:
+            packed = torch.empty(error.numel() // 8, dtype=torch.uint8)
+            scale = torch.empty(1, dtype=torch.float32)
+        else:
+            packed, scale = out
+            _out(packed, error.numel() // 8, torch.uint8, "packed signs")
+            _out(scale, 1, torch.float32, "scale")
         _check(self._ob(_OB_ARGS.pack(
             x.data_ptr(), _dt(x.dtype), numel, error.data_ptr(), error.numel(),
             packed.data_ptr(), scale.data_ptr(), _threads(error.numel()))))
         return packed, scale
 
-    def signs_weighted_sum(self, packed, scales, chunk, divisor):
+    def signs_weighted_sum(self, packed, scales, chunk, divisor, out=None):
         packed, scales = _cpu_flat(packed, "packed signs"), _cpu_flat(scales, "scales")
         k = scales.numel()
         if k < 1 or chunk % 8 or packed.numel() != k * chunk // 8 or scales.dtype != torch.float32:
             raise ValueError(f"zpp.quant.cpu: {packed.numel()} bytes for k={k} chunk={chunk}")
-        out = torch.empty(chunk, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(chunk, dtype=torch.float32)
+        else:
+            _out(out, chunk, torch.float32, "weighted sum")
         _check(self._ws(_WS_ARGS.pack(packed.data_ptr(), scales.data_ptr(), k, chunk, float(divisor),
                                       out.data_ptr(), _threads(k * chunk))))
         return out
 
-    def unpack_scaled(self, packed, scales, chunk, numel, dtype):
+    def unpack_scaled(self, packed, scales, chunk, numel, dtype, out=None):
         packed, scales = _cpu_flat(packed, "packed signs"), _cpu_flat(scales, "scales")
         k = scales.numel()
         if chunk % 8 or packed.numel() != k * chunk // 8 or numel > k * chunk or scales.dtype != torch.float32:
             raise ValueError(f"zpp.quant.cpu: {packed.numel()} bytes for k={k} chunk={chunk} numel={numel}")
-        out = torch.empty(numel, dtype=dtype)
+        if out is None:
+            out = torch.empty(numel, dtype=dtype)
+        else:
+            _out(out, numel, dtype, "unpacked output")
         if numel:
             _check(self._us(_US_ARGS.pack(packed.data_ptr(), scales.data_ptr(), k, chunk, numel,
                                           _dt(dtype), out.data_ptr(), _threads(numel))))
         return out
+
+
+def _out(t: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> None:
+    """An ``out=`` tensor the C side may write ``numel`` elements of ``dtype`` into."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"zpp.quant.cpu: out ({what}) must be a contiguous CPU tensor")
+    if t.dtype != dtype or t.numel() != numel:
+        raise ValueError(f"zpp.quant.cpu: out ({what}) is {t.dtype} x {t.numel()}, "
+                         f"expected {dtype} x {numel}")
 
 
 def kernels() -> _CpuKernels:

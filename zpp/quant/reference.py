@@ -162,30 +162,65 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.
 
 # ---------------------------------------------------------------------- 1-bit building blocks
 # [Note: 1-bit kernels] The error-feedback sign compression of zpp.comm.onebit, fused:
-#   onebit_compress: b = x + e (fp32); scale = sqrt(sum(b^2) / numel) with the sum of squares
-#     accumulated in fp64 (so the summation order cannot change the fp32 scale in practice);
-#     signs packed as pack_signs (b >= 0 -> 1, LSB first); e = b - scale * sign(b), in place.
-#     Positions of e past numel are left alone (they stay zero), and their bits are 1.
+#   onebit_compress: b = x + e (fp32); scale = sqrt(sumsq / numel) with sumsq the fp64 sum of
+#     b^2 in a fixed order (see _sum_squares); signs packed as pack_signs (b >= 0 -> 1, LSB
+#     first); e = b - scale * sign(b), in place. Positions of e past numel are left alone
+#     (they stay zero), and their bits are 1.
 #   signs_weighted_sum: m = sum_i scales[i] * sign_i, in rank order (i = 0 first), then / divisor.
 #   unpack_scaled: out[j*chunk + k] = scales[j] * sign_j[k] for the first numel positions.
-# The products are exact (a scale times +-1) and the sums run in a fixed order, so only the
-# fp64 sum of squares may differ between implementations, in its last fp64 bits.
+# The products are exact (a scale times +-1, an fp32 value squared in fp64) and every sum
+# runs in a fixed order, so fast paths match these functions bit for bit, the scale included.
+# Each function takes an optional ``out=`` (onebit_compress: a (packed, scale) pair) of the
+# right size, dtype and device, which it fills and returns instead of allocating.
+
+# Elements per block of the sum of squares (the C kernel's SUMSQ_BLOCK).
+_SUMSQ_BLOCK = 2048
 
 
-def onebit_compress(x: torch.Tensor, error: torch.Tensor, numel: int):
+def _halving_sum(q: torch.Tensor) -> torch.Tensor:
+    """Sum the last dim (a power of two wide) by halving: q[..., :h] + q[..., h:] until 1."""
+    while q.shape[-1] > 1:
+        h = q.shape[-1] // 2
+        q = q[..., :h] + q[..., h:]
+    return q[..., 0]
+
+
+def _sum_squares(b: torch.Tensor) -> torch.Tensor:
+    """fp64 sum of b**2: b**2 (exact in fp64) zero-padded to whole blocks of _SUMSQ_BLOCK,
+    each block summed by a halving tree; the block sums zero-padded to a power of two and
+    summed by a halving tree. Fixed order: any implementation gets the same bits."""
+    q = b.double().square()
+    blocks = -(-q.numel() // _SUMSQ_BLOCK)
+    q = torch.nn.functional.pad(q, (0, blocks * _SUMSQ_BLOCK - q.numel()))
+    sums = _halving_sum(q.view(blocks, _SUMSQ_BLOCK))
+    p2 = 1 << (blocks - 1).bit_length()
+    return _halving_sum(torch.nn.functional.pad(sums, (0, p2 - blocks)))
+
+
+def _into(out, value: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return value
+    out.copy_(value)
+    return out
+
+
+def onebit_compress(x: torch.Tensor, error: torch.Tensor, numel: int, out=None):
     b = x.reshape(-1)[:numel].float() + error[:numel]
     if numel:
-        scale = (b.double().square().sum() / numel).sqrt().float()
+        scale = (_sum_squares(b) / numel).sqrt().float()
     else:
         scale = torch.zeros((), dtype=torch.float32, device=error.device)
     full = torch.zeros(error.numel(), dtype=torch.float32, device=error.device)
     full[:numel] = b
     packed = pack_signs(full)
     error[:numel] = b - torch.where(b >= 0, scale, -scale)
-    return packed, scale.reshape(1)
+    if out is None:
+        return packed, scale.reshape(1)
+    return _into(out[0], packed), _into(out[1], scale.reshape(1))
 
 
-def signs_weighted_sum(packed: torch.Tensor, scales: torch.Tensor, chunk: int, divisor: float):
+def signs_weighted_sum(packed: torch.Tensor, scales: torch.Tensor, chunk: int, divisor: float,
+                       out=None):
     k = scales.numel()
     signs = unpack_signs(packed, k * chunk, torch.float32).view(k, chunk)
     acc = signs[0] * scales[0]
@@ -193,10 +228,11 @@ def signs_weighted_sum(packed: torch.Tensor, scales: torch.Tensor, chunk: int, d
         acc = acc + signs[i] * scales[i]
     if divisor != 1.0:
         acc = acc / torch.full_like(acc, divisor)
-    return acc
+    return _into(out, acc)
 
 
-def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int, dtype):
+def unpack_scaled(packed: torch.Tensor, scales: torch.Tensor, chunk: int, numel: int, dtype,
+                  out=None):
     k = scales.numel()
     signs = unpack_signs(packed, k * chunk, torch.float32).view(k, chunk)
-    return (signs * scales.view(k, 1)).reshape(-1)[:numel].to(dtype)
+    return _into(out, (signs * scales.view(k, 1)).reshape(-1)[:numel].to(dtype))

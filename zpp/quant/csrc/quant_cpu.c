@@ -750,59 +750,153 @@ ZPP_API int zpp_unpack_signs(const uint8_t *packed, int64_t n, int dt, void *out
 /* ------------------------------------------------------------------------------------ */
 /* 1-bit error-feedback compression (see [Note: 1-bit kernels] in reference.py)          */
 /* ------------------------------------------------------------------------------------ */
+/*
+ * Memory traffic is what these kernels cost on large inputs, so each is one or two
+ * streaming passes with the arithmetic in AVX registers:
+ *   onebit_compress: pass 1 reads x and e and writes b = x + e into e (12 bytes per fp32
+ *     element), summing b^2 from L1 right behind; pass 2 reads and rewrites e and writes the
+ *     signs (8.125 bytes per element). The scale needs all of pass 1, so two passes it is.
+ *   signs_weighted_sum: reads k sign streams (k/8 bytes per output) and writes 4 bytes.
+ *   unpack_scaled: reads 1/8 byte and writes one element (4 bytes fp32) per output; the
+ *     caller may pass its final destination (OneBitAllReduce decodes into x).
+ * Every product is a scale times +-1 (exact) and every sum runs in the documented order,
+ * so the results equal the reference's bit for bit, the scale included.
+ */
+#if defined(__AVX__)
+#include <immintrin.h>
+#define ZPP_HAVE_AVX 1
+#else
+#define ZPP_HAVE_AVX 0
+#endif
 
-/* b = x + err (fp32) for i < numel; scale = sqrt(sum(b^2) / numel) with the sum in fp64
- * over fixed BLOCKs added in block order (so the thread count cannot change it); packed
- * bit i = (b_i >= 0) for i < nerr (positions >= numel hold b = 0: bit 1);
- * err_i = b_i - (b_i >= 0 ? scale : -scale) for i < numel. nerr is a multiple of 8. */
+/* The sum of squares is a halving tree over each block of SUMSQ_BLOCK elements, then a
+ * halving tree over the block sums (reference.py's _SUMSQ_BLOCK is the same number). */
+#define SUMSQ_BLOCK 2048
+
+/* t[0..w) (w a power of two) summed by t[j] = t[j] + t[j + w/2] until one value is left. */
+static double halving_sum(double *restrict t, int64_t w) {
+    for (; w > 1; w /= 2) {
+        const int64_t h = w / 2;
+        for (int64_t j = 0; j < h; j++) t[j] = t[j] + t[j + h];
+    }
+    return t[0];
+}
+
+/* fp64 sum of b[j]^2, j < len <= SUMSQ_BLOCK, zero-padded to SUMSQ_BLOCK, by halving tree.
+ * t is scratch of SUMSQ_BLOCK / 2 doubles. */
+static double block_sumsq(const float *restrict b, int64_t len, double *restrict t) {
+    const int64_t h = SUMSQ_BLOCK / 2;
+    if (len == SUMSQ_BLOCK) {
+        for (int64_t j = 0; j < h; j++) {
+            const double u = b[j], v = b[j + h];
+            t[j] = u * u + v * v; /* exact fp64 products of fp32 values, one rounded add */
+        }
+    } else {
+        for (int64_t j = 0; j < h; j++) {
+            const double u = j < len ? (double)b[j] : 0.0;
+            const double v = j + h < len ? (double)b[j + h] : 0.0;
+            t[j] = u * u + v * v;
+        }
+    }
+    return halving_sum(t, h);
+}
+
+/* err[i] = b_i - (b_i >= 0 ? scale : -scale) for i in [i0, i1), and the sign bytes of
+ * those positions; i0 and i1 are multiples of 8 and i1 <= numel. */
+static void onebit_update(float *restrict err, int64_t i0, int64_t i1, float scale,
+                          uint8_t *restrict packed) {
+    const float neg = -scale;
+    int64_t i = i0;
+#if ZPP_HAVE_AVX
+    const __m256 zero = _mm256_setzero_ps(), ps = _mm256_set1_ps(scale), ns = _mm256_set1_ps(neg);
+    for (; i < i1; i += 8) {
+        const __m256 v = _mm256_loadu_ps(err + i);
+        const __m256 m = _mm256_cmp_ps(v, zero, _CMP_GE_OQ); /* NaN -> 0, -0.0 -> 1 */
+        _mm256_storeu_ps(err + i, _mm256_sub_ps(v, _mm256_blendv_ps(ns, ps, m)));
+        packed[i / 8] = (uint8_t)_mm256_movemask_ps(m);
+    }
+#endif
+    for (; i < i1; i += 8) {
+        unsigned byte = 0;
+        for (int j = 0; j < 8; j++) {
+            const float v = err[i + j];
+            const int pos = v >= 0.0f;
+            byte |= (unsigned)pos << j;
+            err[i + j] = v - (pos ? scale : neg);
+        }
+        packed[i / 8] = (uint8_t)byte;
+    }
+}
+
+/* b = x + err (fp32) for i < numel; scale = sqrt(sumsq / numel) with sumsq the fp64 sum of
+ * b^2 in the halving-tree order above (fixed, so neither the thread count nor the
+ * implementation can change it); packed bit i = (b_i >= 0) for i < nerr (positions >= numel
+ * hold b = 0: bit 1, and their err is not touched); err_i = b_i - (b_i >= 0 ? scale : -scale)
+ * for i < numel. nerr is a multiple of 8. */
 ZPP_API int zpp_onebit_compress(const void *x, int dt, int64_t numel, float *err, int64_t nerr,
                                 uint8_t *packed, float *scale_out, int nthreads) {
-    const int64_t blocks = (numel + BLOCK - 1) / BLOCK;
+    const int64_t sblocks = (numel + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
+    const int64_t per_item = BLOCK / SUMSQ_BLOCK; /* sum blocks per work item */
+    const int64_t items = (sblocks + per_item - 1) / per_item;
+    int64_t p2 = 1;
+    while (p2 < sblocks) p2 *= 2;
     const size_t esz = dt_size(dt);
     if (nthreads < 1) nthreads = 1;
-    double *partial = (double *)malloc((size_t)(blocks > 0 ? blocks : 1) * sizeof(double));
+    double *partial = (double *)calloc((size_t)p2, sizeof(double)); /* zero padding included */
     if (!partial) return 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t b = 0; b < blocks; b++) {
-        float tile[TILE];
-        double acc = 0.0;
-        const int64_t e0 = b * BLOCK, e1 = min64(e0 + BLOCK, numel);
-        for (int64_t t0 = e0; t0 < e1; t0 += TILE) {
-            const int64_t t = min64(TILE, e1 - t0);
-            load_f32((const char *)x + (size_t)t0 * esz, dt, t, tile);
-            float *restrict e = err + t0;
-            for (int64_t i = 0; i < t; i++) {
-                const float v = tile[i] + e[i];
-                e[i] = v; /* b, until the second pass */
-                acc += (double)v * (double)v;
+    int fail = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        double *t = (double *)malloc(SUMSQ_BLOCK / 2 * sizeof(double));
+        float *tile = dt == DT_F32 ? NULL : (float *)malloc(SUMSQ_BLOCK * sizeof(float));
+        if (!t || (dt != DT_F32 && !tile)) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!t || (dt != DT_F32 && !tile)) continue;
+            const int64_t sb1 = min64((it + 1) * per_item, sblocks);
+            for (int64_t sb = it * per_item; sb < sb1; sb++) {
+                const int64_t s0 = sb * SUMSQ_BLOCK, len = min64(SUMSQ_BLOCK, numel - s0);
+                float *restrict e = err + s0;
+                const float *restrict xs;
+                if (dt == DT_F32) {
+                    xs = (const float *)x + s0;
+                } else {
+                    load_f32((const char *)x + (size_t)s0 * esz, dt, len, tile);
+                    xs = tile;
+                }
+                for (int64_t i = 0; i < len; i++) e[i] = xs[i] + e[i]; /* b, until pass 2 */
+                partial[sb] = block_sumsq(e, len, t);
             }
         }
-        partial[b] = acc;
+        free(t);
+        free(tile);
     }
-    double sumsq = 0.0;
-    for (int64_t b = 0; b < blocks; b++) sumsq += partial[b];
+    if (fail) {
+        free(partial);
+        return 1;
+    }
+    const double sumsq = sblocks > 0 ? halving_sum(partial, p2) : 0.0;
     free(partial);
     const float scale = numel > 0 ? (float)sqrt(sumsq / (double)numel) : 0.0f;
     *scale_out = scale;
-    const int64_t pblocks = (nerr + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t b = 0; b < pblocks; b++) {
-        uint8_t f[TILE + 8];
-        const int64_t e0 = b * BLOCK, e1 = min64(e0 + BLOCK, nerr);
-        for (int64_t t0 = e0; t0 < e1; t0 += TILE) {
-            const int64_t t = min64(TILE, e1 - t0);
-            const int64_t live = max64(0, min64(t, numel - t0));
-            float *restrict e = err + t0;
-            for (int64_t i = 0; i < live; i++) {
-                const float v = e[i];
-                const int pos = v >= 0.0f; /* NaN -> 0 */
-                f[i] = (uint8_t)pos;
-                e[i] = v - (pos ? scale : -scale);
-            }
-            for (int64_t i = live; i < t; i++) f[i] = 1;
-            uint8_t *o = packed + t0 / 8;
-            for (int64_t i = 0; i < t / 8; i++) o[i] = gather_bits(f + 8 * i);
+    const int64_t whole = numel / 8 * 8; /* bytes with eight real positions end here */
+    const int64_t pblocks = (whole + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < pblocks; b++)
+        onebit_update(err, b * BLOCK, min64(b * BLOCK + BLOCK, whole), scale, packed);
+    if (whole < nerr) { /* the byte holding numel, if partial, then all-ones padding bytes */
+        unsigned byte = 0xFFu;
+        for (int64_t i = whole; i < numel; i++) {
+            const float v = err[i];
+            const int pos = v >= 0.0f;
+            if (!pos) byte &= ~(1u << (i - whole));
+            err[i] = v - (pos ? scale : -scale);
         }
+        packed[whole / 8] = (uint8_t)byte;
+        memset(packed + whole / 8 + 1, 0xFF, (size_t)((nerr - whole) / 8 - 1));
     }
     return 0;
 }
@@ -813,50 +907,80 @@ ZPP_API int zpp_signs_weighted_sum(const uint8_t *packed, const float *scales, i
     const int64_t nbytes = chunk / 8, bbytes = BLOCK / 8;
     const int64_t blocks = (nbytes + bbytes - 1) / bbytes;
     const float div = (float)divisor;
+    const int divide = div != 1.0f;
     if (nthreads < 1) nthreads = 1;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t i0 = b * bbytes, i1 = min64(i0 + bbytes, nbytes);
-        float *restrict o = out + 8 * i0;
-        const uint8_t *p = packed;
+#if ZPP_HAVE_AVX
+        const __m256 vdiv = _mm256_set1_ps(div);
         for (int64_t i = i0; i < i1; i++) {
-            const float *l = lut_f32[p[i]];
-            for (int j = 0; j < 8; j++) o[8 * (i - i0) + j] = l[j] * scales[0];
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(lut_f32[packed[i]]), _mm256_set1_ps(scales[0]));
+            for (int64_t r = 1; r < k; r++)
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(lut_f32[packed[r * nbytes + i]]),
+                                                       _mm256_set1_ps(scales[r])));
+            if (divide) acc = _mm256_div_ps(acc, vdiv);
+            _mm256_storeu_ps(out + 8 * i, acc);
         }
-        for (int64_t r = 1; r < k; r++) {
-            const uint8_t *pr = packed + r * nbytes;
-            const float s = scales[r];
-            for (int64_t i = i0; i < i1; i++) {
-                const float *l = lut_f32[pr[i]];
-                for (int j = 0; j < 8; j++) o[8 * (i - i0) + j] += l[j] * s;
+#else
+        for (int64_t i = i0; i < i1; i++) {
+            float acc[8];
+            const float *l = lut_f32[packed[i]];
+            for (int j = 0; j < 8; j++) acc[j] = l[j] * scales[0];
+            for (int64_t r = 1; r < k; r++) {
+                const float *lr = lut_f32[packed[r * nbytes + i]];
+                const float s = scales[r];
+                for (int j = 0; j < 8; j++) acc[j] = acc[j] + lr[j] * s;
             }
+            if (divide)
+                for (int j = 0; j < 8; j++) acc[j] = acc[j] / div;
+            memcpy(out + 8 * i, acc, sizeof acc);
         }
-        if (div != 1.0f)
-            for (int64_t i = 0; i < 8 * (i1 - i0); i++) o[i] = o[i] / div;
+#endif
     }
     return 0;
+}
+
+/* out[e] = s * sign bit e of packed, for e in [e0, e1) (e0 a multiple of 8), in dtype dt. */
+static void unpack_scaled_run(const uint8_t *restrict packed, float s, int64_t e0, int64_t e1,
+                              int dt, void *out) {
+    const int64_t whole = e0 + (e1 - e0) / 8 * 8;
+    if (dt == DT_F32) {
+        float *restrict o = (float *)out;
+        int64_t e = e0;
+#if ZPP_HAVE_AVX
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; e < whole; e += 8)
+            _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_loadu_ps(lut_f32[packed[e / 8]]), vs));
+#endif
+        for (; e < whole; e += 8) {
+            const float *l = lut_f32[packed[e / 8]];
+            for (int j = 0; j < 8; j++) o[e + j] = l[j] * s;
+        }
+        for (; e < e1; e++) o[e] = lut_f32[packed[e / 8]][e % 8] * s;
+        return;
+    }
+    float tile[TILE];
+    for (int64_t t0 = e0; t0 < e1; t0 += TILE) { /* TILE is a multiple of 8 */
+        const int64_t t = min64(TILE, e1 - t0);
+        for (int64_t i = 0; i < t; i++) tile[i] = lut_f32[packed[(t0 + i) / 8]][(t0 + i) % 8] * s;
+        store_f32(tile, t, dt, (char *)out + (size_t)t0 * 2);
+    }
 }
 
 /* out[j*chunk + t] = scales[j] * sign_j[t] in dtype dt, for the first numel positions. */
 ZPP_API int zpp_unpack_scaled(const uint8_t *packed, const float *scales, int64_t k, int64_t chunk,
                               int64_t numel, int dt, void *out, int nthreads) {
     const int64_t blocks = (numel + BLOCK - 1) / BLOCK;
-    const size_t esz = dt_size(dt);
     if (nthreads < 1) nthreads = 1;
     (void)k;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
     for (int64_t b = 0; b < blocks; b++) {
-        float tile[TILE + 8]; /* whole bytes: up to 7 values past a short last tile */
-        const int64_t e0 = b * BLOCK, e1 = min64(e0 + BLOCK, numel);
-        for (int64_t t0 = e0; t0 < e1; t0 += TILE) { /* TILE and chunk are multiples of 8 */
-            const int64_t t = min64(TILE, e1 - t0);
-            for (int64_t i = 0; i < t; i += 8) {
-                const int64_t e = t0 + i;
-                const float s = scales[e / chunk];
-                const float *l = lut_f32[packed[e / 8]];
-                for (int j = 0; j < 8; j++) tile[i + j] = l[j] * s;
-            }
-            store_f32(tile, t, dt, (char *)out + (size_t)t0 * esz);
+        const int64_t e1 = min64(b * BLOCK + BLOCK, numel);
+        for (int64_t e = b * BLOCK; e < e1;) { /* one run per chunk: chunk % 8 == 0 */
+            const int64_t j = e / chunk, end = min64(e1, (j + 1) * chunk);
+            unpack_scaled_run(packed, scales[j], e, end, dt, out);
+            e = end;
         }
     }
     return 0;
