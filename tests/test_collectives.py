@@ -3,13 +3,13 @@
 Each world runs every check at once (spawning ranks is the expensive part). Ranks raise
 AssertionError on a failed check; tests/dist.py re-raises it here with the rank's traceback.
 """
-import math
 
 import pytest
 import torch
 
 import zpp.quant as zq
 from tests.dist import run_world
+from tests.onebit_sim import OneBitSim
 from zpp.comm.collectives import (
     effective_group_size,
     hierarchical_reduce_scatter,
@@ -142,45 +142,11 @@ def _check_quantized_reduce_scatter(t):
     return True
 
 
-class _OneBitSim:
-    """All W ranks of the 1-bit all-reduce in one process, in plain torch."""
-
-    def __init__(self, n, W):
-        self.n, self.W = n, W
-        self.c = -(-n // (8 * W)) * 8
-        self.we = torch.zeros(W, n)
-        self.se = torch.zeros(W, self.c)
-
-    def __call__(self, xs):
-        n, W, c = self.n, self.W, self.c
-        b = xs + self.we
-        a = b.norm(dim=1) / math.sqrt(n)
-        sg = torch.where(b >= 0, 1.0, -1.0)
-        self.we = b - a[:, None] * sg
-        full = torch.ones(W, W * c)
-        full[:, :n] = sg
-        out = torch.zeros(W * c)
-        for j in range(W):
-            m = full[0, j * c:(j + 1) * c] * a[0]
-            for i in range(1, W):
-                m = m + full[i, j * c:(j + 1) * c] * a[i]
-            m = m / W
-            valid = max(0, min(c, n - j * c))
-            srv = m + self.se[j]
-            srv[valid:] = 0
-            sa = srv[:valid].norm() / math.sqrt(valid) if valid else torch.tensor(0.0)
-            ss = torch.where(srv >= 0, 1.0, -1.0)
-            self.se[j] = srv - sa * ss
-            self.se[j, valid:] = 0
-            out[j * c:(j + 1) * c] = sa * ss
-        return out[:n]
-
-
 def _check_onebit(t):
     W = t.world_size
     for n in (1, 5, 1000, 4099):
         ob = OneBitAllReduce(n, t)
-        sim = _OneBitSim(n, W)
+        sim = OneBitSim(n, W)
         run_out = torch.zeros(n)
         run_exact = torch.zeros(n)
         drift = []

@@ -5,7 +5,7 @@ Every world runs all its checks at once (spawning ranks is the expensive part):
 * warm-up steps equal ``torch.optim.AdamW`` (Adam with decoupled weight decay) or the
   per-tensor LAMB reference below, on the mean gradient;
 * every later step equals a plain-torch simulation of the whole algorithm with all ranks in
-  one process (``_OneBitSim`` is the 1-bit all-reduce of zpp.comm.onebit, written again);
+  one process (tests/onebit_sim.py is the 1-bit all-reduce of zpp.comm.onebit, written again);
 * replicas stay bit-identical; a checkpoint taken in the compression stage resumes exactly;
   bf16 parameters follow the fp32 run through the optimizer's fp32 master copy;
 * a short training run converges within 3% of the uncompressed optimizer.
@@ -21,6 +21,7 @@ import torch
 
 import zpp.optim as zo
 from tests.dist import needs_mpi, run_world
+from tests.onebit_sim import OneBitSim
 
 SHAPES = [(7, 5), (13,), (3, 4, 2), (1,), (40, 3)]  # 193 elements, none a multiple of 8
 HP = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
@@ -62,37 +63,9 @@ def _gather(t, x):
 
 
 # ---------------------------------------------------------------------- references
-class _OneBitSim:
-    """The 1-bit error-feedback all-reduce (mean) of all W ranks, in one process."""
-
-    def __init__(self, n, W):
-        self.n, self.W = n, W
-        self.c = -(-n // (8 * W)) * 8
-        self.we = torch.zeros(W, n)
-        self.se = torch.zeros(W, self.c)
-
-    def __call__(self, xs):
-        if self.W == 1:  # the optimizers send nothing with one rank
-            return xs[0].clone()
-        n, W, c = self.n, self.W, self.c
-        b = xs + self.we
-        a = b.norm(dim=1) / math.sqrt(n)
-        sg = torch.where(b >= 0, 1.0, -1.0)
-        self.we = b - a[:, None] * sg
-        full = torch.ones(W, W * c)
-        full[:, :n] = sg
-        out = torch.zeros(W * c)
-        for j in range(W):
-            m = sum(full[i, j * c:(j + 1) * c] * a[i] for i in range(W)) / W
-            valid = max(0, min(c, n - j * c))
-            srv = m + self.se[j]
-            srv[valid:] = 0
-            sa = srv[:valid].norm() / math.sqrt(valid) if valid else torch.tensor(0.0)
-            ss = torch.where(srv >= 0, 1.0, -1.0)
-            self.se[j] = srv - sa * ss
-            self.se[j, valid:] = 0
-            out[j * c:(j + 1) * c] = sa * ss
-        return out[:n]
+def _onebit_mean(n, W):
+    """The optimizers' 1-bit mean over W ranks: OneBitSim, or nothing sent with one rank."""
+    return (lambda xs: xs[0].clone()) if W == 1 else OneBitSim(n, W)
 
 
 class _Lamb:
@@ -127,7 +100,7 @@ def _sim_onebit_adam(W, steps, lr, betas, eps, weight_decay, freeze_step):
     xs = [p.detach().clone().requires_grad_() for p in _init_params()]
     ref = torch.optim.AdamW(xs, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
     b1, b2 = betas
-    out, ob = [], _OneBitSim(sum(x.numel() for x in xs), W)
+    out, ob = [], _onebit_mean(sum(x.numel() for x in xs), W)
     for t in range(1, steps + 1):
         gs = [_flat(_grads(r, t)) for r in range(W)]
         if t <= freeze_step:
@@ -149,42 +122,39 @@ def _sim_onebit_adam(W, steps, lr, betas, eps, weight_decay, freeze_step):
 
 def _sim_zero_one_adam(W, steps, lr, betas, eps, weight_decay, var_freeze_step, var_update_scaler,
                        local_step_scaler, local_step_clipper):
+    """Algorithm 1 of the paper, every rank a row: local momentum and step, the accumulated
+    ``u = sum gamma m`` 1-bit averaged (scaled per tensor by 1 / rms(d)) at each sync."""
     b1, b2 = betas
-    x = _flat(_init_params())
-    m, v = torch.zeros_like(x), torch.zeros_like(x)
-    var_interval, var_counter, var_updates = 1, 0, 0
-    ob, out = _OneBitSim(x.numel(), W), []
+    x0 = _flat(_init_params())
+    X, M, v, anchor = x0.expand(W, -1).clone(), torch.zeros(W, x0.numel()), torch.zeros_like(x0), x0.clone()
+    var_interval, var_counter, var_updates, lsi, lsc, lrs = 1, 0, 0, 1, 0, 0.0
+    sizes = torch.tensor([math.prod(s) for s in SHAPES])
+    ob, out = _onebit_mean(x0.numel(), W), []
     for t in range(1, steps + 1):
         G = torch.stack([_flat(_grads(r, t)) for r in range(W)])
-        bc1 = 1 - b1 ** t
-        if t <= var_freeze_step:
-            full = t % var_interval == 0
-            g = G.mean(0) if full else ob(G)
-            m = b1 * m + (1 - b1) * g
-            if full:
-                v = b2 * v + (1 - b2) * g * g
-                var_updates += 1
-            d = v.sqrt() / math.sqrt(1 - b2 ** var_updates) + eps
-            x = x * (1 - lr * weight_decay) - (lr / bc1) * m / d
-            if full:
-                var_counter += 1
-                if var_counter == var_update_scaler:
-                    var_counter, var_interval = 0, 2 * var_interval
-            X = x.expand(W, -1)
-        else:
-            if t == var_freeze_step + 1:
-                ob = _OneBitSim(x.numel(), W)  # error feedback restarts for the momentum
-                X, M, anchor, lrs = x.expand(W, -1).clone(), m.expand(W, -1).clone(), x.clone(), 0.0
-                lsi, lsc = 1, 0
-            d = v.sqrt() / math.sqrt(1 - b2 ** var_updates) + eps
-            M = b1 * M + (1 - b1) * G
-            X = X * (1 - lr * weight_decay) - (lr / bc1) * M / d
-            lrs += lr / bc1
-            if t % lsi == 0:
-                ub = ob((anchor - X) * d)
-                M = (ub / lrs).expand(W, -1).clone()
-                X = (anchor - ub / d).expand(W, -1).clone()
-                anchor, lrs = X[0].clone(), 0.0
+        full = t <= var_freeze_step and t % var_interval == 0
+        if full:
+            G = G.mean(0).expand(W, -1)
+            v = b2 * v + (1 - b2) * G[0] * G[0]
+            var_updates += 1
+        d = v.sqrt() / math.sqrt(1 - b2 ** var_updates) + eps
+        gamma = lr / (1 - b1 ** t)
+        M = b1 * M + (1 - b1) * G
+        X = X * (1 - lr * weight_decay) - gamma * M / d
+        anchor = anchor * (1 - lr * weight_decay)
+        lrs += gamma
+        if not full and t % lsi == 0:
+            k = torch.repeat_interleave(1 / torch.stack([s.norm() / math.sqrt(s.numel()) for s in _split(d)]), sizes)
+            ub = ob((anchor - X) * d * k) / k
+            M = (ub / lrs).expand(W, -1).clone()
+            X = (anchor - ub / d).expand(W, -1).clone()
+        if full or t % lsi == 0:
+            anchor, lrs = X[0].clone(), 0.0
+        if full:
+            var_counter += 1
+            if var_counter == var_update_scaler:
+                var_counter, var_interval = 0, 2 * var_interval
+        if t > var_freeze_step:
             lsc += 1
             if lsc == local_step_scaler:
                 lsc, lsi = 0, min(local_step_clipper, 2 * lsi)
@@ -198,7 +168,7 @@ def _sim_onebit_lamb(W, steps, lr, betas, eps, weight_decay, freeze_step, factor
     xs = [p.detach().clone() for p in _init_params()]
     ref = _Lamb(xs, lr, betas, eps, weight_decay, **lamb_kw)
     sizes = [x.numel() for x in xs]
-    ob, out = _OneBitSim(sum(sizes), W), []
+    ob, out = _onebit_mean(sum(sizes), W), []
     for t in range(1, steps + 1):
         gs = [_flat(_grads(r, t)) for r in range(W)]
         if t <= freeze_step:

@@ -42,6 +42,7 @@ __all__ = [
     "COMM_BACKENDS",
     "FlatParams",
     "FusedOneBitOptimizer",
+    "adam_moments",
     "adamw_apply",
     "bias_corrections",
     "check_step",
@@ -119,6 +120,13 @@ class FlatParams:
         base = self.group_slices[group].start
         return [t[self.offsets[i] - base:self.offsets[i + 1] - base] for i in self.group_params[group]]
 
+    def rms(self, t: torch.Tensor, group: int | None = None) -> torch.Tensor:
+        """Root mean square of each parameter's segment of ``t`` (0 for an empty one): ``t`` is
+        shaped like the whole buffer, or like the slice of ``group``."""
+        segs = self.views(t) if group is None else self.segments(t, group)
+        sizes = self.sizes_t if group is None else self.sizes_t[self.group_params[group].start:self.group_params[group].stop]
+        return segment_norms(segs) / sizes.clamp_min(1).sqrt()
+
     def per_element(self, per_param: torch.Tensor, group: int) -> torch.Tensor:
         """Expand one value per parameter of ``group`` to that group's elements."""
         r = self.group_params[group]
@@ -159,6 +167,15 @@ def segment_max(segs: list[torch.Tensor], empty: float) -> torch.Tensor:
     return torch.stack([s.amax() if s.numel() else s.new_tensor(empty) for s in segs])
 
 
+def adam_moments(m: torch.Tensor, v: torch.Tensor | None, grad: torch.Tensor, group: dict) -> None:
+    """Adam's moments in place: ``m = beta1 m + (1 - beta1) g`` and, unless ``v`` is None,
+    ``v = beta2 v + (1 - beta2) g^2``."""
+    beta1, beta2 = group["betas"]
+    m.lerp_(grad, 1.0 - beta1)
+    if v is not None:
+        v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+
+
 def adamw_apply(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict, bc1: float, bc2_sqrt: float) -> None:
     """``x -= lr * (m / bc1) / (sqrt(v) / bc2_sqrt + eps)`` after decoupled weight decay
     ``x *= 1 - lr * weight_decay``; the op order of ``torch.optim.AdamW``."""
@@ -187,24 +204,34 @@ def bias_corrections(group: dict, step: int, var_steps: int | None = None) -> tu
 class FusedOneBitOptimizer(torch.optim.Optimizer):
     """Base of the 1-bit optimizers: flat buffers, communication, step loop, checkpoints.
 
-    A subclass sets ``buffers`` (named fp32 tensors, or None until created), ``scalars``
-    (ints/floats/lists that :meth:`state_dict` saves) and implements :meth:`_update`.
+    The constructor takes the Adam hyperparameters every subclass shares (they become the
+    param-group defaults, with ``group_defaults``) and creates Adam's two moments,
+    ``buffers["exp_avg"]`` and ``buffers["exp_avg_sq"]``. A subclass adds its own named fp32
+    ``buffers`` (or None until created) and ``scalars`` (ints/floats/lists that
+    :meth:`state_dict` saves) and implements :meth:`_update`.
     """
 
     def __init__(
         self,
         params,
-        defaults: dict,
         *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
         transport: Transport | None,
         comm_backend_name: str,
         cuda_aware: bool,
         amsgrad: bool,
+        **group_defaults,
     ) -> None:
         who = type(self).__name__
         if amsgrad:
             raise NotImplementedError(f"{who}: amsgrad=True is not supported by the 1-bit optimizers")
         self._layout_fixed = False
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, **group_defaults)
         super().__init__(params, defaults)
         self.transport = resolve_transport(transport, comm_backend_name, who)
         self.comm_backend_name = comm_backend_name
@@ -213,7 +240,11 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
         self.flat = FlatParams(self.param_groups, who)
         self._layout_fixed = True
         self.step_count = 0  # completed optimizer steps
-        self.buffers: dict[str, torch.Tensor | None] = {}
+        n, dev = self.flat.numel, self.flat.device
+        self.buffers: dict[str, torch.Tensor | None] = {
+            "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
+            "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev),
+        }
         self.scalars: dict[str, object] = {}
         self.compressor: OneBitAllReduce | None = None
 

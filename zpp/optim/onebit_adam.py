@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from zpp.comm.transport import Transport
-from zpp.optim._common import FusedOneBitOptimizer, adamw_apply, bias_corrections, check_step
+from zpp.optim._common import FusedOneBitOptimizer, adam_moments, adamw_apply, bias_corrections, check_step
 
 __all__ = ["OneBitAdam"]
 
@@ -62,16 +62,10 @@ class OneBitAdam(FusedOneBitOptimizer):
         transport: Transport | None = None,
     ) -> None:
         self.freeze_step = check_step(type(self).__name__, "freeze_step", freeze_step, 1)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(
-            params, defaults, transport=transport, comm_backend_name=comm_backend_name,
-            cuda_aware=cuda_aware, amsgrad=amsgrad,
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+            transport=transport, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, amsgrad=amsgrad,
         )
-        n, dev = self.flat.numel, self.flat.device
-        self.buffers = {
-            "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
-            "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev),
-        }
 
     def _update(self, grad: torch.Tensor, step: int) -> None:
         m, v, x = self.buffers["exp_avg"], self.buffers["exp_avg_sq"], self.flat.master
@@ -79,14 +73,12 @@ class OneBitAdam(FusedOneBitOptimizer):
         if step <= self.freeze_step:  # warm-up: AdamW on the averaged gradient
             self.average(grad)
             for g, sl in groups:
-                beta1, beta2 = g["betas"]
-                m[sl].lerp_(grad[sl], 1.0 - beta1)
-                v[sl].mul_(beta2).addcmul_(grad[sl], grad[sl], value=1.0 - beta2)
+                adam_moments(m[sl], v[sl], grad[sl], g)
                 bc1, bc2 = bias_corrections(g, step)
                 adamw_apply(x[sl], m[sl], v[sl], g, bc1, bc2)
             return
         for g, sl in groups:  # compression: local momentum, 1-bit averaged, frozen variance
-            m[sl].lerp_(grad[sl], 1.0 - g["betas"][0])
+            adam_moments(m[sl], None, grad[sl], g)
         self.compress_average(m)
         for g, sl in groups:
             bc1, _ = bias_corrections(g, step)

@@ -35,6 +35,7 @@ import torch
 from zpp.comm.transport import Transport
 from zpp.optim._common import (
     FusedOneBitOptimizer,
+    adam_moments,
     bias_corrections,
     check_step,
     segment_max,
@@ -108,23 +109,18 @@ class OneBitLamb(FusedOneBitOptimizer):
         self.factor_max = factor_max
         self.factor_min = factor_min
         self.factor_threshold = factor_threshold
-        defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+            transport=transport, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, amsgrad=amsgrad,
             max_coeff=max_coeff, min_coeff=min_coeff,
         )
-        super().__init__(
-            params, defaults, transport=transport, comm_backend_name=comm_backend_name,
-            cuda_aware=cuda_aware, amsgrad=amsgrad,
-        )
-        n, k, dev = self.flat.numel, len(self.flat.params), self.flat.device
-        self.buffers = {
-            "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
-            "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev),
+        k, dev = len(self.flat.params), self.flat.device
+        self.buffers.update({
             "exp_avg_sq_fresh": None,  # v kept up to date from reconstructed gradients
             "lamb_coeff_freeze": torch.zeros(k, dtype=torch.float32, device=dev),
             "last_factor": torch.ones(k, dtype=torch.float32, device=dev),
             "scaling_coeff": None,  # per-tensor momentum scaling, fixed at the first 1-bit step
-        }
+        })
         self.last_lamb_coeffs = torch.ones(k, dtype=torch.float32, device=dev)
 
     def _update(self, grad: torch.Tensor, step: int) -> None:
@@ -138,9 +134,7 @@ class OneBitLamb(FusedOneBitOptimizer):
         m, v, x, frozen = b["exp_avg"], b["exp_avg_sq"], self.flat.master, b["lamb_coeff_freeze"]
         self.average(grad)
         for gi, g, sl in self.groups():
-            beta1, beta2 = g["betas"]
-            m[sl].lerp_(grad[sl], 1.0 - beta1)
-            v[sl].mul_(beta2).addcmul_(grad[sl], grad[sl], value=1.0 - beta2)
+            adam_moments(m[sl], v[sl], grad[sl], g)
             bc1, bc2 = bias_corrections(g, step)
             update = (m[sl] / bc1).div_((v[sl].sqrt() / bc2).add_(g["eps"]))
             if g["weight_decay"]:
@@ -165,7 +159,7 @@ class OneBitLamb(FusedOneBitOptimizer):
             b["exp_avg_sq_fresh"] = v.clone()
         v_fresh = b["exp_avg_sq_fresh"]
         if b["scaling_coeff"] is None:
-            scale = segment_norms(flat.views(m)) / torch.tensor(flat.sizes, device=m.device).clamp_min(1).sqrt()
+            scale = flat.rms(m)
             b["scaling_coeff"] = torch.where(scale > 0, scale.mean() / scale.clamp_min(1e-38), 1.0)
         k = torch.repeat_interleave(b["scaling_coeff"], flat.sizes_t)
         # the new local momentum goes into the gradient buffer; m keeps the previous one
