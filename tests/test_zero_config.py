@@ -147,3 +147,14 @@ def test_world_errors():
     assert r["fp64"].startswith("TypeError") and "torch.float64" in r["fp64"]
     assert r["ok"] is None
     assert r["registry"] == ("TorchTransport", 4, True, True)
+
+
+def test_prefetch_switch():
+    assert ZppConfig().prefetch is True
+    cfg = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000},
+                          "zpp": {"prefetch": False}})
+    assert cfg.zpp.prefetch is False and cfg.zero.prefetch_bucket_size == 1000
+    with pytest.raises(ValueError, match="prefetch='yes'"):
+        ZppConfig(prefetch="yes")
+    with pytest.raises(ValueError, match="prefetch_bucket_size=-1"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}})

@@ -67,8 +67,9 @@ class ZeroConfig:
     """Stages 1-2: caps the unit size as well; the unit is ``min`` of both bucket sizes
     (Default: 5e8)."""
     prefetch_bucket_size: int = 50_000_000
-    """Stage 3: recorded; zpp gathers per module and does not prefetch yet, since the
-    Transport interface has no asynchronous collectives (Default: 5e7)."""
+    """Stage 3: elements of parameter gathers started ahead of use (in the order recorded
+    on the first pass) that may be in flight or waiting at once; 0 turns prefetch off. See
+    [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` (Default: 5e7)."""
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -111,6 +112,11 @@ class ZppConfig:
     holds this many parameters not yet in a unit; smaller children join their ancestor's
     unit (like FSDP's size-based wrapping). 0: every module holding parameters is a unit
     (Default: 0)."""
+    prefetch: bool = True
+    """Stage 3: start the next units' all-gathers (asynchronous transport ops) while the
+    current module runs, following the gather order recorded on the first pass, up to
+    ``zero_optimization.stage3_prefetch_bucket_size`` elements; False gathers each unit at
+    its point of use only (Default: True)."""
     check_parameters: bool = True
     """At initialize, check that every rank holds the same parameters (one small
     all-gather of checksums) (Default: True)."""
@@ -129,6 +135,8 @@ class ZppConfig:
         u = self.unit_min_numel
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(f"ZppConfig: unit_min_numel={u!r} must be an integer >= 0")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"ZppConfig: prefetch={self.prefetch!r} must be true or false")
         if not isinstance(self.transport, str) or not self.transport:
             raise ValueError(f"ZppConfig: transport={self.transport!r} must be a transport name")
 

@@ -23,6 +23,10 @@ nothing.
   forward hook: drop the user, release at zero users, and (with grad enabled) register a
   hook on each output that requires grad. That hook runs when the output's gradient is
   ready, i.e. right before the module's own backward, and gathers its units again.
+  Gathers go through the engine's :class:`~zpp.zero.prefetch.Prefetcher`, which serves them
+  from gathers it started ahead when the order follows the recorded trace (see
+  [Note: stage 3 prefetch]); the root module's forward pre-hook opens a pass, the end of
+  ``engine.backward`` (or of a forward without grad) closes it.
 * ``register_post_accumulate_grad_hook`` on every trainable parameter counts down its
   unit's missing gradients; at zero the unit reduce-scatters its flat gradient into its
   fp32 shard accumulator and releases the full buffer. A leaf's hook runs once per backward
@@ -76,6 +80,7 @@ from zpp.comm.transport import Transport
 from zpp.optim._common import FusedOneBitOptimizer
 from zpp.zero.config import ONEBIT_OPTIMIZERS, OptimizerConfig, TrainConfig, as_config
 from zpp.zero.group import CommContext, Unit
+from zpp.zero.prefetch import Prefetcher, PrefetchStats
 from zpp.zero.schedulers import build_scheduler
 from zpp.zero.shard import Slot
 
@@ -132,6 +137,8 @@ class ZeroEngine:
                     f"equal the ranks per node ({topology.ranks_per_node})")
         self.ctx = CommContext(world=world, topology=topology, zero=zero, zpp=config.zpp)
         self.units, self._needs = self._plan_units(trainable)
+        self._prefetch = Prefetcher(self.units, bucket_numel=zero.prefetch_bucket_size,
+                                    enabled=zero.stage == 3 and config.zpp.prefetch, world=world)
         self._handles: list[Any] = []
         self._install_hooks()
         #: 1-bit optimizer: (unit, slot, fp32 view of the unit master) per trained parameter
@@ -276,9 +283,18 @@ class ZeroEngine:
     def _install_hooks(self) -> None:
         stage = self.config.zero.stage
         if stage == 3:
+            # the pass hooks run before / after the root's own: see [Note: stage 3 prefetch]
+            self._handles.append(self.module.register_forward_pre_hook(
+                lambda _m, _a: self._prefetch.begin_pass(torch.is_grad_enabled())))
             for m, units in self._needs:
                 self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(units)))
                 self._handles.append(m.register_forward_hook(self._make_post_forward(units)))
+
+            def end_forward(_m, _a, _out):
+                if not torch.is_grad_enabled():
+                    self._prefetch.end_pass()
+
+            self._handles.append(self.module.register_forward_hook(end_forward))
         if stage >= 2:
             for u in self.units:
                 if not u.trainable:
@@ -291,13 +307,13 @@ class ZeroEngine:
         def hook(_module, _args):
             for u in units:
                 u.forward_users += 1
-                u.gather("forward")
+                self._prefetch.gather(u, "forward")
         return hook
 
     def _make_post_forward(self, units: list[Unit]):
         def pre_backward(_grad):
             for u in units:
-                u.gather("backward")
+                self._prefetch.gather(u, "backward")
 
         def hook(_module, _args, output):
             for u in units:
@@ -355,6 +371,7 @@ nothing.
             for u in self.units:
                 if u.trainable and not u.reduced:
                     u.reduce_grads()
+        self._prefetch.end_pass()
         for u in self.units:
             u.reduced = False
             u.pending = u.expected_grads
@@ -445,6 +462,12 @@ nothing.
             u.reduced = False
         for _, _, v in self._onebit or ():
             v.grad = None
+
+    @property
+    def prefetch_stats(self) -> PrefetchStats:
+        """What stage 3 prefetch did (counts of prefetched, used, dropped gathers and of
+        passes that fell back); see [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch`."""
+        return self._prefetch.stats
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

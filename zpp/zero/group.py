@@ -22,10 +22,20 @@ Stage 3 gathers a unit before each forward and each backward use:
 2. otherwise, forward with qwZ: :func:`quantized_all_gather` over the world.
 3. otherwise: the plain all-gather over the world (backward without hpZ is full precision).
 
-With hpZ on, a world gather (1 or 3) also keeps this rank's ``1/k`` slice of the result as
+With hpZ on, a world gather (2 or 3) also keeps this rank's ``1/k`` slice of the result as
 the secondary shard. It holds exactly the weights the forward used (quantized ones under
 qwZ), so forward and backward of a micro-step see the same weights; the optimizer step
 invalidates it, see :meth:`Unit.publish`.
+
+[Note: started gathers]
+:meth:`Unit.start_gather` issues the gather chosen above (asynchronous transport ops:
+``all_gather_async``, ``quantized_all_gather_async``) into a new full buffer and leaves the
+unit GATHERING; :meth:`Unit.gather` then waits for it, keeps the hpZ secondary slice and
+attaches the parameters. The source (secondary or world, quantized or not) is chosen when
+the gather starts, so the result is bit-identical to a gather done at the point of use as
+long as the shards do not change in between (they change only at the optimizer step, and
+the engine waits for or drops every started gather before it). A started gather of another
+phase than the one asked for is waited for and dropped, then the right one is run.
 """
 from __future__ import annotations
 
@@ -34,8 +44,8 @@ from collections.abc import Sequence
 
 import torch
 
-from zpp.comm.collectives import quantized_all_gather, quantized_reduce_scatter
-from zpp.comm.transport import Transport
+from zpp.comm.collectives import quantized_all_gather_async, quantized_reduce_scatter
+from zpp.comm.transport import Transport, Work
 from zpp.zero.config import ZeroConfig, ZppConfig
 from zpp.zero.shard import FlatLayout, FlatShard, SecondaryState, ShardState
 
@@ -92,6 +102,8 @@ class Unit:
         self.reduced = False
         #: forward users currently inside a module that needs this unit (stage 3)
         self.forward_users = 0
+        #: the started gather while GATHERING: (phase, work, keep the hpZ secondary)
+        self.inflight: tuple[str, Work, bool] | None = None
         self._materialize()
 
     # ------------------------------------------------------------------ storage
@@ -126,29 +138,64 @@ class Unit:
     def gather(self, phase: str) -> None:
         """Materialize the full buffer (stage 3; see [Note: which gather]). Idempotent.
         ``phase`` is "forward", "backward", or "exact" (the full-precision primary shards,
-        never the secondary: consolidation)."""
+        never the secondary: consolidation). Completes a started gather of the same phase
+        (see [Note: started gathers])."""
         f = self.flat
         if f.state is ShardState.GATHERED:
             return
-        ctx = self.ctx
+        if f.state is ShardState.GATHERING:
+            if self.inflight[0] == phase:
+                self._complete()
+                return
+            self.drop_started()
+        self.start_gather(phase)
+        self._complete()
+
+    def start_gather(self, phase: str) -> Work:
+        """Start the gather ``gather(phase)`` would run, without waiting (the unit must be
+        SHARDED); the unit is GATHERING until :meth:`gather` or :meth:`drop_started`."""
+        f, ctx = self.flat, self.ctx
+        if f.state is not ShardState.SHARDED:
+            raise RuntimeError(f"Unit.start_gather: unit {self.index} is {f.state.name}, not SHARDED")
         full = torch.empty(self.layout.padded_numel, dtype=f.dtype, device=f.shard.device)
+        keep_secondary = False
         if f.secondary_state is SecondaryState.VALID and phase != "exact":
-            ctx.topology.intra.all_gather(full, f.secondary)
+            work = ctx.topology.intra.all_gather_async(full, f.secondary)
         else:
             if phase == "forward" and ctx.zero.quantized_weights:
                 gs = min(ctx.zpp.weight_group_size, self.layout.shard_numel)
-                quantized_all_gather(full, f.shard, transport=ctx.world, bits=ctx.zpp.weight_bits,
-                                     group_size=gs)
+                work = quantized_all_gather_async(full, f.shard, transport=ctx.world, bits=ctx.zpp.weight_bits,
+                                                  group_size=gs)
             else:
-                ctx.world.all_gather(full, f.shard)
-            if ctx.hpz and phase != "exact":
-                k = ctx.topology.ranks_per_node
-                n = self.layout.padded_numel // k
-                lr = ctx.topology.local_rank
-                f.secondary = full[lr * n:(lr + 1) * n].clone()
-                f.secondary_state = SecondaryState.VALID
+                work = ctx.world.all_gather_async(full, f.shard)
+            keep_secondary = ctx.hpz and phase != "exact"
         f.full = full
+        f.state = ShardState.GATHERING
+        self.inflight = (phase, work, keep_secondary)
+        return work
+
+    def _complete(self) -> None:
+        f, ctx = self.flat, self.ctx
+        _phase, work, keep_secondary = self.inflight
+        self.inflight = None
+        work.wait()
+        if keep_secondary:
+            k = ctx.topology.ranks_per_node
+            n = self.layout.padded_numel // k
+            lr = ctx.topology.local_rank
+            f.secondary = f.full[lr * n:(lr + 1) * n].clone()
+            f.secondary_state = SecondaryState.VALID
         f.attach(self.params)
+
+    def drop_started(self) -> None:
+        """Wait for a started gather and throw its result away (back to SHARDED)."""
+        if self.flat.state is not ShardState.GATHERING:
+            return
+        _phase, work, _keep = self.inflight
+        self.inflight = None
+        work.wait()
+        self.flat.full = None
+        self.flat.state = ShardState.SHARDED
 
     def release(self) -> None:
         """Drop the full buffer (stage 3 only; stages 0-2 keep it)."""

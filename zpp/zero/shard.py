@@ -39,6 +39,9 @@ class ShardState(enum.Enum):
 
     SHARDED = "sharded"
     """Only the owned shard is held; parameters' ``.data`` are empty (stage 3 between uses)."""
+    GATHERING = "gathering"
+    """An asynchronous gather (a prefetch) is writing into ``full``; parameters' ``.data``
+    are still empty. The unit's :meth:`~zpp.zero.group.Unit.gather` waits for it."""
     GATHERED = "gathered"
     """The full buffer is valid and every parameter's ``.data`` is a view of it."""
 
@@ -123,7 +126,8 @@ class FlatShard:
         rank: this rank's shard index (0 when ``layout.degree == 1``).
         dtype: the parameters' dtype (fp32 or bf16).
         state: :class:`ShardState`.
-        full: the full flat buffer (``layout.padded_numel``, ``dtype``) or None when sharded.
+        full: the full flat buffer (``layout.padded_numel``, ``dtype``) while gathering or
+            gathered, else None.
         shard: the owned range in ``dtype``.
         master: fp32 master weights of the owned range (None for frozen units).
         grad: fp32 gradient accumulated over the owned range since the last step, or None.

@@ -1,0 +1,189 @@
+"""Stage 3 prefetch: the order of a pass's gathers, recorded once, and gathers started ahead.
+
+[Note: stage 3 prefetch]
+A *pass* runs from the root module's forward to the end of ``engine.backward`` (or, for a
+forward without grad, to the end of that forward; a forward that starts while a pass is
+open closes it). Every gather a hook asks for that has to communicate (the unit is not
+gathered already) is one entry ``(unit index, phase)`` of the pass's sequence.
+
+* The first pass of each kind (with / without grad) runs without prefetch and its sequence
+  becomes the *trace*; every rank then checks that all ranks recorded the same trace (one
+  small collective, with the transport's metadata check on).
+* In a later pass, entry ``i`` asked for is compared with the trace's entry ``i``. While
+  they agree, after serving entry ``i`` the engine starts the gathers of trace entries
+  ``i + 1, i + 2, ...`` (:meth:`Unit.start_gather <zpp.zero.group.Unit.start_gather>`, on
+  the transport's asynchronous all-gather) as long as the started-but-not-yet-used units
+  hold at most ``stage3_prefetch_bucket_size`` elements, stopping at the first entry whose
+  unit is still gathered or in flight (it is started at a later entry). The hook asking
+  for a started unit waits for it instead of gathering.
+* At the first entry that differs, the pass stops prefetching (counted in
+  ``PrefetchStats.mismatches``); gathers already started are used if asked for with the
+  same phase, else waited for and dropped (``dropped``). At the end of that pass its
+  sequence replaces the trace.
+* At the end of every pass, started gathers nobody asked for are waited for and dropped, so
+  nothing is in flight at the optimizer step.
+
+Collective order: what is started, and when, depends only on the trace and on the
+sequence of entries asked for so far, which are the same on every rank when every rank
+runs the same graph (the engine's requirement, as DDP's). So every rank issues the same
+collectives in the same order, with or without a mismatch, and prefetch never reorders
+one rank against another. A prefetched gather moves exactly the bytes the gather at the
+point of use would move; only dropped gathers add bytes.
+
+Memory: a started gather allocates its full buffer at once, so up to
+``stage3_prefetch_bucket_size`` elements of full buffers are held beyond what the module
+running needs; ``ZeroEngine.model_state_bytes`` counts them as parameters while they exist
+and ``PrefetchStats.peak_inflight_numel`` records the most held at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Sequence
+
+from zpp.comm.transport import Transport
+from zpp.zero.group import Unit
+from zpp.zero.shard import ShardState
+
+Entry = tuple[int, str]  # (unit index, phase)
+
+
+@dataclasses.dataclass(slots=True)
+class PrefetchStats:
+    """What the prefetcher did since the engine was built."""
+
+    passes: int = 0
+    """Passes closed."""
+    recorded: int = 0
+    """Passes whose sequence became the trace (the first of each kind, and each mismatch)."""
+    mismatches: int = 0
+    """Passes whose order differed from the trace: prefetch stopped at the first difference."""
+    prefetched: int = 0
+    """Gathers started ahead of use."""
+    hits: int = 0
+    """Gathers served by a started gather of the same phase."""
+    dropped: int = 0
+    """Started gathers waited for and thrown away (asked for with another phase, or never
+    asked for before the pass ended); each one moved bytes for nothing."""
+    synchronous: int = 0
+    """Started gathers that the transport ran to completion at the call (a backend without
+    asynchronous all-gather): prefetched, but with no overlap."""
+    peak_inflight_numel: int = 0
+    """Most elements of full buffers started but not yet used, at any time."""
+
+
+class Prefetcher:
+    """Records the gather order of stage 3 passes and starts gathers ahead; see
+    [Note: stage 3 prefetch].
+
+    Args:
+        units: the engine's units (indexed by ``Unit.index``).
+        bucket_numel: ``stage3_prefetch_bucket_size``: elements of started-but-unused full
+            buffers allowed at once; 0 turns prefetching off.
+        enabled: ``zpp.prefetch``; False turns prefetching off (nothing is traced; the
+            engine gathers at the point of use, as without a prefetcher).
+        world: the engine's transport (for the trace agreement check).
+    """
+
+    def __init__(self, units: Sequence[Unit], *, bucket_numel: int, enabled: bool, world: Transport) -> None:
+        self.units = list(units)
+        self.bucket_numel = bucket_numel
+        self.enabled = enabled and bucket_numel > 0
+        self.world = world
+        self.stats = PrefetchStats()
+        self._traces: dict[bool, list[Entry]] = {}
+        self._kind: bool | None = None  # the open pass's kind (grad enabled), None: no pass
+        self._seq: list[Entry] = []
+        self._matching = False
+        self._next = 0  # trace position of the next entry not yet started
+        self._started: set[int] = set()  # units started ahead and not yet asked for
+        self._started_numel = 0
+
+    @property
+    def in_pass(self) -> bool:
+        return self._kind is not None
+
+    def begin_pass(self, grad: bool) -> None:
+        """The root module's forward starts (closes a pass still open). A no-op when
+        prefetching is off: no trace, no extra collective."""
+        if self._kind is not None:
+            self.end_pass()
+        if not self.enabled:
+            return
+        self._kind = grad
+        self._seq = []
+        self._matching = self.enabled and grad in self._traces
+        self._next = 0
+
+    def gather(self, unit: Unit, phase: str) -> None:
+        """A hook needs ``unit`` gathered for ``phase``."""
+        f = unit.flat
+        if f.state is ShardState.GATHERED:
+            return
+        if self._kind is None:  # outside a pass: no trace, no prefetch
+            unit.gather(phase)
+            return
+        pos = len(self._seq)
+        self._seq.append((unit.index, phase))
+        if self._matching:
+            trace = self._traces[self._kind]
+            if pos >= len(trace) or trace[pos] != (unit.index, phase):
+                self._matching = False
+                self.stats.mismatches += 1
+        if unit.index in self._started:
+            self._started.discard(unit.index)
+            self._started_numel -= unit.layout.padded_numel
+            if unit.inflight[0] == phase:
+                self.stats.hits += 1
+            else:
+                self.stats.dropped += 1  # Unit.gather drops it and gathers again
+        unit.gather(phase)
+        if self._matching:
+            self._start_ahead(pos + 1)
+
+    def _start_ahead(self, first: int) -> None:
+        trace = self._traces[self._kind]
+        i = max(first, self._next)
+        while i < len(trace):
+            index, phase = trace[i]
+            u = self.units[index]
+            n = u.layout.padded_numel
+            if u.flat.state is not ShardState.SHARDED or self._started_numel + n > self.bucket_numel:
+                break
+            work = u.start_gather(phase)
+            self._started.add(index)
+            self._started_numel += n
+            self.stats.prefetched += 1
+            self.stats.synchronous += not work.asynchronous
+            self.stats.peak_inflight_numel = max(self.stats.peak_inflight_numel, self._started_numel)
+            i += 1
+        self._next = i
+
+    def end_pass(self) -> None:
+        """Close the open pass: drop unused started gathers, re-record the trace if the
+        pass did not follow it. Every rank calls it at the same point (collective when a
+        trace is recorded)."""
+        if self._kind is None:
+            return
+        kind, seq = self._kind, self._seq
+        self._kind = None
+        for index in sorted(self._started):  # the same order on every rank
+            self.units[index].drop_started()
+            self.stats.dropped += 1
+        self._started.clear()
+        self._started_numel = 0
+        self.stats.passes += 1
+        trace = self._traces.get(kind)
+        if trace is not None and seq != trace and self._matching:  # a strict prefix of the trace
+            self.stats.mismatches += 1
+        if trace is None or seq != trace:
+            self._traces[kind] = seq
+            self.stats.recorded += 1
+            code = zlib.crc32(repr(seq).encode())
+            self.world.check_agree("zpp stage 3 prefetch trace (every rank must run the same graph)",
+                                   (len(seq), code), ("gathers", "crc32"))
+
+    def trace(self, grad: bool = True) -> list[Entry] | None:
+        """The recorded trace of passes with (or without) grad, or None."""
+        t = self._traces.get(grad)
+        return list(t) if t is not None else None
