@@ -79,6 +79,26 @@ def test_onebit_compress_exact_across_threads_and_sizes(K):
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel,pad", [(1, 7), (2053, 3), (70000, 16)])
+def test_lazy_update_equals_settled(K, impl, dtype, numel, pad):
+    """pending=: the buffer carries b and the scale settles it on the next call; the signs,
+    scales and settled errors equal the eager sequence's bit for bit, call after call."""
+    mod = reference if impl == "reference" else K
+    g = torch.Generator().manual_seed(numel + 1)
+    eager, lazy = torch.zeros(numel + pad), torch.zeros(numel + pad)
+    pending = 0.0
+    for step in range(4):
+        x = (torch.randn(numel, generator=g) * 10 ** (step - 2)).to(dtype)
+        p1, s1 = mod.onebit_compress(x, eager, numel)
+        p2, s2 = mod.onebit_compress(x, lazy, numel, pending=pending)
+        assert torch.equal(p1, p2) and torch.equal(s1, s2), step
+        assert torch.equal(lazy[numel:], torch.zeros(pad))
+        pending = float(s2)
+        assert torch.equal(reference.settle(lazy, numel, pending), eager[:numel]), step
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
 def test_out_buffers(K, impl):
     """out= fills the given tensors (same values as allocating) and returns them."""
     mod = reference if impl == "reference" else K

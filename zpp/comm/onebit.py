@@ -17,7 +17,11 @@ For a tensor of ``n`` elements on ``W`` ranks, padded to ``W * c`` with ``c`` a 
 Steps 1 and 3 are the fused :func:`zpp.quant.onebit_compress`, step 3's average is
 :func:`zpp.quant.signs_weighted_sum` and step 4's decode :func:`zpp.quant.unpack_scaled`
 (see [Note: 1-bit kernels] in zpp/quant/reference.py), called with ``out=`` buffers that are
-allocated once, in ``__init__``: a call allocates nothing of the tensor's size.
+allocated once, in ``__init__``: a call allocates nothing of the tensor's size. Both
+compressions run lazily (``pending=``): between calls ``worker_error`` and ``server_error`` hold
+the last ``b`` and ``b_s``, and the error update ``- a * sign(b)`` is applied by the next call in
+its single pass over memory (the eager kernel needs two). The results are the same bits;
+:meth:`state_dict` settles the buffers it returns.
 
 Padded positions never enter a norm and their errors stay zero. On the wire: about
 ``2 * (W - 1) / W * n / 8`` bytes plus ``2 (W - 1)`` scales per rank, against ``2 * (W - 1) / W * 4n``
@@ -32,6 +36,7 @@ import torch
 
 from zpp.comm.transport import Transport
 from zpp.quant.dispatch import kernel
+from zpp.quant.reference import settle
 from zpp.quant.types import check_dtype
 
 __all__ = ["OneBitAllReduce"]
@@ -47,6 +52,8 @@ class OneBitAllReduce:
 
     The worker and server error buffers persist across calls; :meth:`state_dict` /
     :meth:`load_state_dict` checkpoint them (they are this rank's own, not replicated).
+    Between calls the buffers hold the last ``b`` with the error update still pending (see
+    the Note); :meth:`state_dict` returns the settled errors.
     Besides them the object holds its wire and scratch buffers (about ``3 n / 4`` bytes of
     signs and frames plus ``4 c`` for the server average), reused by every call.
     """
@@ -64,6 +71,7 @@ class OneBitAllReduce:
         self.server_error = torch.zeros(self.chunk, dtype=torch.float32, device=device)
         start = transport.rank * self.chunk
         self.valid = max(0, min(self.chunk, numel - start))  # real elements of my chunk
+        self._w_pending = self._s_pending = 0.0  # scales of the lazy updates (0: settled)
         # Wire frames: a chunk's packed signs, then an fp32 scale (see the Note).
         cb = self.chunk // 8
         self._frame = cb + 4
@@ -105,7 +113,9 @@ class OneBitAllReduce:
         local = flat if flat.device == dev else flat.to(dev)
         with t.counters.collective("onebit_all_reduce", n * x.element_size()):
             # 1. worker compression with error feedback (fused; updates worker_error)
-            kernel(dev, "onebit_compress")(local, self.worker_error, n, out=(self._signs, self._scale))
+            kernel(dev, "onebit_compress")(local, self.worker_error, n, out=(self._signs, self._scale),
+                                           pending=self._w_pending)
+            self._w_pending = float(self._scale)
             # 2. phase 1: frame j = my chunk j of signs + my scale, to rank j
             frames = self._send.view(W, self._frame)
             frames[:, :cb].copy_(self._signs.view(W, cb))
@@ -116,7 +126,8 @@ class OneBitAllReduce:
             #    the signs land in my phase-2 frame directly
             kernel(dev, "signs_weighted_sum")(self._recv_signs, self._recv_scales, c, float(W), out=self._avg)
             kernel(dev, "onebit_compress")(self._avg, self.server_error, self.valid,
-                                           out=(self._mine[:cb], self._s_scale))
+                                           out=(self._mine[:cb], self._s_scale), pending=self._s_pending)
+            self._s_pending = float(self._s_scale)
             self._mine[cb:].copy_(self._s_scale.view(torch.uint8))
             # 4. phase 2: everyone's frame; decode into x
             t.all_gather(self._gathered, self._mine)
@@ -132,8 +143,8 @@ class OneBitAllReduce:
             "numel": self.numel,
             "world_size": self.transport.world_size,
             "rank": self.transport.rank,
-            "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error.clone(),
+            "worker_error": _settled(self.worker_error, self.numel, self._w_pending),
+            "server_error": _settled(self.server_error, self.valid, self._s_pending),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -147,3 +158,12 @@ class OneBitAllReduce:
             )
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
+        self._w_pending = self._s_pending = 0.0
+
+
+def _settled(buf: torch.Tensor, valid: int, pending: float) -> torch.Tensor:
+    """A copy of a lazy error buffer with its pending update applied to the ``valid`` real
+    elements (the padding stays zero)."""
+    out = buf.clone()
+    out[:valid] = settle(buf, valid, pending)
+    return out

@@ -29,7 +29,7 @@ import torch
 NAME = "cpu"
 _SRC = Path(__file__).resolve().parent / "csrc" / "quant_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 # dtype codes of the C side
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -143,7 +143,7 @@ _Q_ARGS = struct.Struct("<13q")
 _DQ_ARGS = struct.Struct("<9q")
 _RS_ARGS = struct.Struct("<7qd7q")
 _PACK_ARGS = struct.Struct("<5q")
-_OB_ARGS = struct.Struct("<8q")
+_OB_ARGS = struct.Struct("<9qd")
 _WS_ARGS = struct.Struct("<4qd2q")
 _US_ARGS = struct.Struct("<8q")
 
@@ -322,7 +322,7 @@ class _CpuKernels:
 
 
     # -- 1-bit error feedback ([Note: 1-bit kernels] in reference.py) --------------------
-    def onebit_compress(self, x, error, numel, out=None):
+    def onebit_compress(self, x, error, numel, out=None, pending=None):
         x = _cpu_flat(x, "input")
         if error.device.type != "cpu" or not error.is_contiguous() or error.dtype != torch.float32:
             raise ValueError("zpp.quant.cpu: error buffer must be a contiguous float32 CPU tensor")
@@ -337,7 +337,8 @@ class _CpuKernels:
             _out(scale, 1, torch.float32, "scale")
         _check(self._ob(_OB_ARGS.pack(
             x.data_ptr(), _dt(x.dtype), numel, error.data_ptr(), error.numel(),
-            packed.data_ptr(), scale.data_ptr(), _threads(error.numel()))))
+            packed.data_ptr(), scale.data_ptr(), _threads(error.numel()),
+            int(pending is not None), float(pending or 0.0))))
         return packed, scale
 
     def signs_weighted_sum(self, packed, scales, chunk, divisor, out=None):

@@ -166,6 +166,11 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.
 #     b^2 in a fixed order (see _sum_squares); signs packed as pack_signs (b >= 0 -> 1, LSB
 #     first); e = b - scale * sign(b), in place. Positions of e past numel are left alone
 #     (they stay zero), and their bits are 1.
+#     With ``pending=p`` (a float) the update is lazy: the buffer holds the previous call's b,
+#     whose scale was p, so e = buf - where(buf >= 0, p, -p) first (p = 0 changes nothing: a
+#     fresh or settled buffer), and on return the buffer holds the new b, the returned scale
+#     being the next call's p. The same float operations in another order of calls, so a lazy
+#     sequence equals the settled one bit for bit; a fast path saves a pass over memory.
 #   signs_weighted_sum: m = sum_i scales[i] * sign_i, in rank order (i = 0 first), then / divisor.
 #   unpack_scaled: out[j*chunk + k] = scales[j] * sign_j[k] for the first numel positions.
 # The products are exact (a scale times +-1, an fp32 value squared in fp64) and every sum
@@ -204,8 +209,16 @@ def _into(out, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def onebit_compress(x: torch.Tensor, error: torch.Tensor, numel: int, out=None):
-    b = x.reshape(-1)[:numel].float() + error[:numel]
+def settle(error: torch.Tensor, numel: int, pending: float) -> torch.Tensor:
+    """The error a lazy buffer stands for: buf - where(buf >= 0, p, -p) on the first numel."""
+    e = error[:numel]
+    p = torch.full((), float(pending), dtype=torch.float32, device=error.device)
+    return e - torch.where(e >= 0, p, -p)
+
+
+def onebit_compress(x: torch.Tensor, error: torch.Tensor, numel: int, out=None, pending=None):
+    e = error[:numel] if pending is None else settle(error, numel, pending)
+    b = x.reshape(-1)[:numel].float() + e
     if numel:
         scale = (_sum_squares(b) / numel).sqrt().float()
     else:
@@ -213,7 +226,7 @@ def onebit_compress(x: torch.Tensor, error: torch.Tensor, numel: int, out=None):
     full = torch.zeros(error.numel(), dtype=torch.float32, device=error.device)
     full[:numel] = b
     packed = pack_signs(full)
-    error[:numel] = b - torch.where(b >= 0, scale, -scale)
+    error[:numel] = b - torch.where(b >= 0, scale, -scale) if pending is None else b
     if out is None:
         return packed, scale.reshape(1)
     return _into(out[0], packed), _into(out[1], scale.reshape(1))

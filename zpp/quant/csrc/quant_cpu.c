@@ -47,7 +47,7 @@
 #else
 #define ZPP_NOIPA __attribute__((noinline, noipa))
 #endif
-#define ZPP_ABI_VERSION 5
+#define ZPP_ABI_VERSION 6
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 
@@ -828,16 +828,36 @@ static void onebit_update(float *restrict err, int64_t i0, int64_t i1, float sca
     }
 }
 
-/* b = x + err (fp32) for i < numel; scale = sqrt(sumsq / numel) with sumsq the fp64 sum of
- * b^2 in the halving-tree order above (fixed, so neither the thread count nor the
- * implementation can change it); packed bit i = (b_i >= 0) for i < nerr (positions >= numel
- * hold b = 0: bit 1, and their err is not touched); err_i = b_i - (b_i >= 0 ? scale : -scale)
- * for i < numel. nerr is a multiple of 8. */
+/* Sign bytes of err[i0..i1) (i0, i1 multiples of 8): bit j = (err[i0 + 8k + j] >= 0). */
+static void sign_bytes(const float *restrict err, int64_t i0, int64_t i1, uint8_t *restrict packed) {
+    int64_t i = i0;
+#if ZPP_HAVE_AVX
+    const __m256 zero = _mm256_setzero_ps();
+    for (; i < i1; i += 8)
+        packed[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(err + i), zero, _CMP_GE_OQ));
+#endif
+    for (; i < i1; i += 8) {
+        unsigned byte = 0;
+        for (int j = 0; j < 8; j++) byte |= (unsigned)(err[i + j] >= 0.0f) << j;
+        packed[i / 8] = (uint8_t)byte;
+    }
+}
+
+/* b = x + e (fp32) for i < numel, where e = err, or with lazy set e = err - (err >= 0 ? pending
+ * : -pending) (err then holds the previous call's b and pending its scale: the update that
+ * call left undone); scale = sqrt(sumsq / numel) with sumsq the fp64 sum of b^2 in the
+ * halving-tree order above (fixed, so neither the thread count nor the implementation can
+ * change it); packed bit i = (b_i >= 0) for i < nerr (positions >= numel hold b = 0: bit 1,
+ * and their err is not touched). On return err_i = b_i - (b_i >= 0 ? scale : -scale), or
+ * with lazy err_i = b_i: one pass over memory instead of two. nerr is a multiple of 8. */
 ZPP_API int zpp_onebit_compress(const void *x, int dt, int64_t numel, float *err, int64_t nerr,
-                                uint8_t *packed, float *scale_out, int nthreads) {
+                                uint8_t *packed, float *scale_out, int nthreads, int lazy,
+                                double pending) {
     const int64_t sblocks = (numel + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
     const int64_t per_item = BLOCK / SUMSQ_BLOCK; /* sum blocks per work item */
     const int64_t items = (sblocks + per_item - 1) / per_item;
+    const int64_t whole = numel / 8 * 8; /* bytes with eight real positions end here */
+    const float pp = (float)pending, pn = -pp;
     int64_t p2 = 1;
     while (p2 < sblocks) p2 *= 2;
     const size_t esz = dt_size(dt);
@@ -867,7 +887,15 @@ ZPP_API int zpp_onebit_compress(const void *x, int dt, int64_t numel, float *err
                     load_f32((const char *)x + (size_t)s0 * esz, dt, len, tile);
                     xs = tile;
                 }
-                for (int64_t i = 0; i < len; i++) e[i] = xs[i] + e[i]; /* b, until pass 2 */
+                if (lazy) {
+                    for (int64_t i = 0; i < len; i++) {
+                        const float v = e[i];
+                        e[i] = xs[i] + (v - (v >= 0.0f ? pp : pn));
+                    }
+                    sign_bytes(err, s0, s0 + min64(len, whole - s0), packed);
+                } else {
+                    for (int64_t i = 0; i < len; i++) e[i] = xs[i] + e[i]; /* b, until pass 2 */
+                }
                 partial[sb] = block_sumsq(e, len, t);
             }
         }
@@ -882,18 +910,19 @@ ZPP_API int zpp_onebit_compress(const void *x, int dt, int64_t numel, float *err
     free(partial);
     const float scale = numel > 0 ? (float)sqrt(sumsq / (double)numel) : 0.0f;
     *scale_out = scale;
-    const int64_t whole = numel / 8 * 8; /* bytes with eight real positions end here */
-    const int64_t pblocks = (whole + BLOCK - 1) / BLOCK;
+    if (!lazy) {
+        const int64_t pblocks = (whole + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t b = 0; b < pblocks; b++)
-        onebit_update(err, b * BLOCK, min64(b * BLOCK + BLOCK, whole), scale, packed);
+        for (int64_t b = 0; b < pblocks; b++)
+            onebit_update(err, b * BLOCK, min64(b * BLOCK + BLOCK, whole), scale, packed);
+    }
     if (whole < nerr) { /* the byte holding numel, if partial, then all-ones padding bytes */
         unsigned byte = 0xFFu;
         for (int64_t i = whole; i < numel; i++) {
             const float v = err[i];
             const int pos = v >= 0.0f;
             if (!pos) byte &= ~(1u << (i - whole));
-            err[i] = v - (pos ? scale : -scale);
+            if (!lazy) err[i] = v - (pos ? scale : -scale);
         }
         packed[whole / 8] = (uint8_t)byte;
         memset(packed + whole / 8 + 1, 0xFF, (size_t)((nerr - whole) / 8 - 1));
@@ -1039,7 +1068,7 @@ ZPP_API int zpp_unpack_signs_p(const unsigned char *b) {
 ZPP_API int zpp_onebit_compress_p(const unsigned char *b) {
     return zpp_onebit_compress(arg_p(b, 0), (int)arg_i(b, 1), arg_i(b, 2), (float *)arg_p(b, 3),
                                arg_i(b, 4), (uint8_t *)arg_p(b, 5), (float *)arg_p(b, 6),
-                               (int)arg_i(b, 7));
+                               (int)arg_i(b, 7), (int)arg_i(b, 8), arg_d(b, 9));
 }
 
 ZPP_API int zpp_signs_weighted_sum_p(const unsigned char *b) {
