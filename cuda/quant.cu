@@ -105,8 +105,37 @@ struct ZqType<float> {
     }
 };
 
-template <>
-struct ZqType<zq_half> {
+// fp16 and bf16: 16-bit storage, 8 values a uint4; Conv gives bits_to_f and f_to_bits.
+template <typename S, typename Conv>
+struct ZqType16 {
+    static __device__ __forceinline__ float to_f(S x) { return Conv::bits_to_f(x.bits); }
+    static __device__ __forceinline__ S from_f(float f) {
+        S r;
+        r.bits = Conv::f_to_bits(f);
+        return r;
+    }
+    // p is 16-byte aligned.
+    static __device__ __forceinline__ void load8(const S* __restrict__ p, float v[8]) {
+        const uint4 w = *reinterpret_cast<const uint4*>(p);
+        const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = Conv::bits_to_f((unsigned short)(u[i] & 0xffffu));
+            v[2 * i + 1] = Conv::bits_to_f((unsigned short)(u[i] >> 16));
+        }
+    }
+    static __device__ __forceinline__ void store8(S* __restrict__ p, const float v[8]) {
+        unsigned u[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            u[i] = (unsigned)Conv::f_to_bits(v[2 * i]) | ((unsigned)Conv::f_to_bits(v[2 * i + 1]) << 16);
+        uint4 w;
+        w.x = u[0]; w.y = u[1]; w.z = u[2]; w.w = u[3];
+        *reinterpret_cast<uint4*>(p) = w;
+    }
+};
+
+struct ZqHalfConv {
     static __device__ __forceinline__ float bits_to_f(unsigned short h) {
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -117,66 +146,29 @@ struct ZqType<zq_half> {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
         return zq_isnan(f) ? (unsigned short)0x7e00u : h;
     }
-    static __device__ __forceinline__ float to_f(zq_half x) { return bits_to_f(x.bits); }
-    static __device__ __forceinline__ zq_half from_f(float f) {
-        zq_half h;
-        h.bits = f_to_bits(f);
-        return h;
-    }
-    static __device__ __forceinline__ void load8(const zq_half* __restrict__ p, float v[8]) {
-        const uint4 w = *reinterpret_cast<const uint4*>(p);
-        v[0] = bits_to_f((unsigned short)(w.x & 0xffffu)); v[1] = bits_to_f((unsigned short)(w.x >> 16));
-        v[2] = bits_to_f((unsigned short)(w.y & 0xffffu)); v[3] = bits_to_f((unsigned short)(w.y >> 16));
-        v[4] = bits_to_f((unsigned short)(w.z & 0xffffu)); v[5] = bits_to_f((unsigned short)(w.z >> 16));
-        v[6] = bits_to_f((unsigned short)(w.w & 0xffffu)); v[7] = bits_to_f((unsigned short)(w.w >> 16));
-    }
-    static __device__ __forceinline__ void store8(zq_half* __restrict__ p, const float v[8]) {
-        uint4 w;
-        w.x = (unsigned)f_to_bits(v[0]) | ((unsigned)f_to_bits(v[1]) << 16);
-        w.y = (unsigned)f_to_bits(v[2]) | ((unsigned)f_to_bits(v[3]) << 16);
-        w.z = (unsigned)f_to_bits(v[4]) | ((unsigned)f_to_bits(v[5]) << 16);
-        w.w = (unsigned)f_to_bits(v[6]) | ((unsigned)f_to_bits(v[7]) << 16);
-        *reinterpret_cast<uint4*>(p) = w;
-    }
 };
 
-template <>
-struct ZqType<zq_bf16> {
-    static __device__ __forceinline__ float bits_to_f(unsigned b) { return __uint_as_float(b << 16); }
+struct ZqBf16Conv {
+    static __device__ __forceinline__ float bits_to_f(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
     // Round to nearest even; NaN -> 0x7fc0 (what c10::BFloat16 gives).
     static __device__ __forceinline__ unsigned short f_to_bits(float f) {
         const unsigned u = __float_as_uint(f);
         if (zq_isnan(f)) return (unsigned short)0x7fc0u;
         return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
-    static __device__ __forceinline__ float to_f(zq_bf16 x) { return bits_to_f(x.bits); }
-    static __device__ __forceinline__ zq_bf16 from_f(float f) {
-        zq_bf16 b;
-        b.bits = f_to_bits(f);
-        return b;
-    }
-    static __device__ __forceinline__ void load8(const zq_bf16* __restrict__ p, float v[8]) {
-        const uint4 w = *reinterpret_cast<const uint4*>(p);
-        v[0] = __uint_as_float(w.x << 16); v[1] = __uint_as_float(w.x & 0xffff0000u);
-        v[2] = __uint_as_float(w.y << 16); v[3] = __uint_as_float(w.y & 0xffff0000u);
-        v[4] = __uint_as_float(w.z << 16); v[5] = __uint_as_float(w.z & 0xffff0000u);
-        v[6] = __uint_as_float(w.w << 16); v[7] = __uint_as_float(w.w & 0xffff0000u);
-    }
-    static __device__ __forceinline__ void store8(zq_bf16* __restrict__ p, const float v[8]) {
-        uint4 w;
-        w.x = (unsigned)f_to_bits(v[0]) | ((unsigned)f_to_bits(v[1]) << 16);
-        w.y = (unsigned)f_to_bits(v[2]) | ((unsigned)f_to_bits(v[3]) << 16);
-        w.z = (unsigned)f_to_bits(v[4]) | ((unsigned)f_to_bits(v[5]) << 16);
-        w.w = (unsigned)f_to_bits(v[6]) | ((unsigned)f_to_bits(v[7]) << 16);
-        *reinterpret_cast<uint4*>(p) = w;
-    }
 };
 
-// Writes v[0 .. nv) to out[e0 ..]; one 8-wide store when the chunk is whole (out is 16-byte
-// aligned and e0 % 8 == 0 by construction).
+template <>
+struct ZqType<zq_half> : ZqType16<zq_half, ZqHalfConv> {};
+template <>
+struct ZqType<zq_bf16> : ZqType16<zq_bf16, ZqBf16Conv> {};
+
+// Writes v[0 .. nv) to out[e0 ..]; one 8-wide store when the chunk is whole and vec (out is
+// 16-byte aligned: true of the outputs these kernels allocate; e0 % 8 == 0 by construction).
 template <typename T>
-__device__ __forceinline__ void zq_store_chunk(T* __restrict__ out, long long e0, int nv, const float v[8]) {
-    if (nv == 8 && (e0 & 7) == 0) {
+__device__ __forceinline__ void zq_store_chunk(T* __restrict__ out, long long e0, int nv, const float v[8],
+                                               int vec = 1) {
+    if (vec && nv == 8 && (e0 & 7) == 0) {
         ZqType<T>::store8(out + e0, v);
     } else {
 #pragma unroll
@@ -562,10 +554,7 @@ template <typename T, int CACHE>
 __global__ void __launch_bounds__(512) zq_quantize(const T* __restrict__ x, long long numel, int group_size,
                                                    int bits, int sym, int vec, unsigned char* __restrict__ out,
                                                    float* __restrict__ scales) {
-    ZqFlatLoader<T> ld;
-    ld.x = x;
-    ld.vec = vec;
-    zq_quantize_group<CACHE>(ld, numel, group_size, bits, sym, out, scales);
+    zq_quantize_group<CACHE>(ZqFlatLoader<T>{x, vec}, numel, group_size, bits, sym, out, scales);
 }
 
 // One block per group of the swizzled (total = nodes * rpn * chunk elements) tensor.
@@ -575,13 +564,7 @@ __global__ void __launch_bounds__(512) zq_swizzle_quantize(const T* __restrict__
                                                            int group_size, int bits, int sym, int vec,
                                                            unsigned char* __restrict__ out,
                                                            float* __restrict__ scales) {
-    ZqSwizzleLoader<T> ld;
-    ld.x = x;
-    ld.numel = numel;
-    ld.chunk = chunk;
-    ld.node_span = node_span;
-    ld.rpn = rpn;
-    ld.vec = vec;
+    const ZqSwizzleLoader<T> ld{x, numel, chunk, node_span, rpn, vec};
     zq_quantize_group<CACHE>(ld, total, group_size, bits, sym, out, scales);
 }
 
@@ -594,17 +577,7 @@ __global__ void __launch_bounds__(512) zq_requant_sum(const unsigned char* __res
                                                       float div, int rgroup, int rbits,
                                                       unsigned char* __restrict__ out,
                                                       float* __restrict__ out_scales) {
-    ZqSumLoader ld;
-    ld.data = data;
-    ld.scales = scales;
-    ld.n = n;
-    ld.k = k;
-    ld.group_size = group_size;
-    ld.bits = bits;
-    ld.sym = sym;
-    ld.vec = vec;
-    ld.has_div = has_div;
-    ld.div = div;
+    const ZqSumLoader ld{data, scales, n, k, group_size, bits, sym, vec, has_div, div};
     zq_quantize_group<CACHE>(ld, n, rgroup, rbits, sym, out, out_scales);
 }
 
@@ -618,23 +591,33 @@ __global__ void __launch_bounds__(256) zq_dequant_sum(const unsigned char* __res
     const long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i0 >= n) return;
     const int nv = zq_count(i0, 8, n);
-    ZqSumLoader ld;
-    ld.data = data;
-    ld.scales = scales;
-    ld.n = n;
-    ld.k = k;
-    ld.group_size = group_size;
-    ld.bits = bits;
-    ld.sym = sym;
-    ld.vec = vec;
-    ld.has_div = has_div;
-    ld.div = div;
+    const ZqSumLoader ld{data, scales, n, k, group_size, bits, sym, vec, has_div, div};
     float v[8];
     ld.load(i0, nv, v);
     zq_store_chunk(out, i0, nv, v);
 }
 
-// Byte b of out: bit j set where x[8b + j] >= 0 (-0.0 -> 1, NaN -> 0). One thread per byte.
+// ---------------------------------------------------------------------------------------------
+// Signs and the 1-bit error-feedback kernels ([Note: 1-bit kernels] in zpp/quant/reference.py)
+// ---------------------------------------------------------------------------------------------
+
+// Packed byte of v[0 .. 8): bit m set where v[m] >= 0 (-0.0 -> 1, NaN -> 0); positions m >= nv
+// get pad (pack_signs pads with 0, onebit_compress with 1: its padding holds b = 0).
+__device__ __forceinline__ unsigned zq_sign_byte(const float v[8], int nv, unsigned pad) {
+    unsigned byte = 0;
+#pragma unroll
+    for (int m = 0; m < 8; ++m)
+        if (m < nv ? v[m] >= 0.0f : pad != 0u) byte |= 1u << m;
+    return byte;
+}
+
+// v[m] = +s where bit m of byte is set, else -s: the reference's sign * s, which is exact.
+__device__ __forceinline__ void zq_signed8(unsigned byte, float s, float v[8]) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m) v[m] = ((byte >> m) & 1u) ? s : -s;
+}
+
+// Byte b of out: bit j set where x[8b + j] >= 0. One thread per byte.
 template <typename T>
 __global__ void __launch_bounds__(256) zq_pack_signs(const T* __restrict__ x, long long numel, int vec,
                                                      unsigned char* __restrict__ out) {
@@ -642,30 +625,155 @@ __global__ void __launch_bounds__(256) zq_pack_signs(const T* __restrict__ x, lo
     const long long e0 = b * 8;
     if (e0 >= numel) return;
     const int nv = zq_count(e0, 8, numel);
-    ZqFlatLoader<T> ld;
-    ld.x = x;
-    ld.vec = vec;
     float v[8];
-    ld.load(e0, nv, v);
-    unsigned byte = 0;
-#pragma unroll
-    for (int m = 0; m < 8; ++m)
-        if (m < nv && v[m] >= 0.0f) byte |= 1u << m;
-    out[b] = (unsigned char)byte;
+    ZqFlatLoader<T>{x, vec}.load(e0, nv, v);
+    out[b] = (unsigned char)zq_sign_byte(v, nv, 0u);
 }
 
-// out[i] = +1 where bit i of the packed signs is set, else -1. One thread per byte.
+// out[e] = scales[e / chunk] * sign(bit e of packed), e < numel (chunk % 8 == 0, so a byte lies in
+// one chunk). scales == nullptr: +-1 (unpack_signs). One thread per byte.
 template <typename T>
-__global__ void __launch_bounds__(256) zq_unpack_signs(const unsigned char* __restrict__ packed, long long numel,
-                                                       T* __restrict__ out) {
+__global__ void __launch_bounds__(256) zq_unpack_scaled(const unsigned char* __restrict__ packed,
+                                                        const float* __restrict__ scales, long long chunk,
+                                                        long long numel, T* __restrict__ out) {
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long e0 = b * 8;
     if (e0 >= numel) return;
-    const unsigned byte = packed[b];
     float v[8];
-#pragma unroll
-    for (int m = 0; m < 8; ++m) v[m] = ((byte >> m) & 1u) ? 1.0f : -1.0f;
+    zq_signed8(packed[b], scales ? scales[e0 / chunk] : 1.0f, v);
     zq_store_chunk(out, e0, zq_count(e0, 8, numel), v);
+}
+
+// out[t] = (sum_r scales[r] * sign_r[t], r = 0 first, each step rounded to fp32) / div when
+// has_div, for t < chunk (chunk % 8 == 0); sign vector r is bytes [r * chunk / 8, (r + 1) * chunk / 8)
+// of packed. One thread per byte of a sign vector (8 outputs).
+__global__ void __launch_bounds__(256) zq_signs_weighted_sum(const unsigned char* __restrict__ packed,
+                                                             const float* __restrict__ scales, int k,
+                                                             long long chunk, int has_div, float div,
+                                                             float* __restrict__ out) {
+    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nbytes = chunk >> 3;
+    if (b >= nbytes) return;
+    float v[8], t[8];
+    zq_signed8(packed[b], scales[0], v);
+    for (int r = 1; r < k; ++r) {
+        zq_signed8(packed[(long long)r * nbytes + b], scales[r], t);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = __fadd_rn(v[m], t[m]);
+    }
+    if (has_div) {
+#pragma unroll
+        for (int m = 0; m < 8; ++m) v[m] = __fdiv_rn(v[m], div);
+    }
+    zq_store_chunk(out, 8 * b, 8, v);
+}
+
+// onebit_compress runs three kernels on one stream:
+//   1. zq_onebit_sumsq: per block of block_elems elements, the fp64 sum of squares of b = x + e
+//      in the documented order (below) -> partials[block];
+//   2. zq_onebit_scale: partials added in block order -> scale = sqrt(sum / numel) as fp32;
+//   3. zq_onebit_apply: b again (recomputing it reads x and e once more, which costs no more
+//      than writing b in pass 1 and reading it back, and less for 16-bit x), the sign bits,
+//      e = b - (b >= 0 ? scale : -scale) for positions < numel.
+//
+// Order of the sum of squares (exact products: a float squared fits a double's mantissa; the
+// oracle's order, [Note: 1-bit kernels]): the elements are cut into blocks of block_elems; in a
+// block, lane l (of lanes) adds the squares at block offsets l, l + lanes, l + 2 * lanes, ... in
+// that order, starting from +0.0; the lanes are then combined pairwise (tree: lane[l] +=
+// lane[l + h] for h = lanes / 2, lanes / 4, ..., 1) or left to right (!tree); the blocks' sums
+// are added in block order, starting from +0.0. Elements past numel are skipped, which is the
+// same as adding +0.0 (no partial sum is -0.0). Every add and multiply is an explicit
+// round-to-nearest intrinsic: never contracted into an FMA.
+//
+// zq_onebit_sumsq: blockDim.x (a multiple of lanes and of 32, at most ZQ_SUMSQ_THREADS) threads
+// cover blockDim.x / lanes element blocks, lanes threads each; lanes is a power of two.
+#define ZQ_SUMSQ_THREADS 256
+template <typename T>
+__global__ void __launch_bounds__(ZQ_SUMSQ_THREADS) zq_onebit_sumsq(const T* __restrict__ x,
+                                                                    const float* __restrict__ err,
+                                                                    long long numel, int block_elems,
+                                                                    int lanes, int tree,
+                                                                    double* __restrict__ partials) {
+    __shared__ double s_lane[ZQ_SUMSQ_THREADS];
+    const int t = threadIdx.x;
+    const int l = t & (lanes - 1);
+    const long long blk = (long long)blockIdx.x * (blockDim.x / lanes) + t / lanes;
+    const long long first = blk * block_elems;
+    const long long end = first + block_elems < numel ? first + block_elems : numel;
+    double acc = 0.0;
+    long long e = first + l;
+    // Eight loads in flight ahead of the dependent chain of adds.
+    for (; e + 7LL * lanes < end; e += 8LL * lanes) {
+        float b[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) b[m] = __fadd_rn(ZqType<T>::to_f(x[e + m * lanes]), err[e + m * lanes]);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) acc = __dadd_rn(acc, __dmul_rn((double)b[m], (double)b[m]));
+    }
+    for (; e < end; e += lanes) {
+        const float b = __fadd_rn(ZqType<T>::to_f(x[e]), err[e]);
+        acc = __dadd_rn(acc, __dmul_rn((double)b, (double)b));
+    }
+    if (tree) {
+        for (int h = lanes >> 1; h >= 32; h >>= 1) {  // across warps: shared memory
+            s_lane[t] = acc;
+            __syncthreads();
+            if (l < h) acc = __dadd_rn(acc, s_lane[t + h]);
+            __syncthreads();
+        }
+        for (int h = zq_imin(lanes >> 1, 16); h >= 1; h >>= 1) {  // in a warp: lane l reads l + h
+            const double o = __shfl_down_sync(ZQ_FULL_MASK, acc, h);
+            if (l < h) acc = __dadd_rn(acc, o);
+        }
+    } else if (lanes > 1) {
+        s_lane[t] = acc;
+        __syncthreads();
+        if (l == 0)
+            for (int j = 1; j < lanes; ++j) acc = __dadd_rn(acc, s_lane[t + j]);
+    }
+    if (l == 0 && first < numel) partials[blk] = acc;
+}
+
+// One thread: sum = partials[0] + ... + partials[nparts - 1], in order, stored in partials[nparts]
+// (tests read it); scale[0] = sqrt(sum / numel) as fp32 (0 when numel is 0; the canonical NaN
+// when the sum is NaN).
+__global__ void __launch_bounds__(32) zq_onebit_scale(double* __restrict__ partials, long long nparts,
+                                                      long long numel, float* __restrict__ scale) {
+    if (threadIdx.x != 0) return;
+    double sum = 0.0;
+#pragma unroll 8
+    for (long long i = 0; i < nparts; ++i) sum = __dadd_rn(sum, partials[i]);
+    partials[nparts] = sum;
+    const float s = numel > 0 ? __double2float_rn(__dsqrt_rn(__ddiv_rn(sum, (double)numel))) : 0.0f;
+    scale[0] = ZqType<float>::from_f(s);
+}
+
+// Byte b of packed: the sign bits of b = x + e at positions [8b, 8b + 8) (1 past numel), and
+// e = b - (b >= 0 ? scale : -scale) at those below numel. One thread per byte of nerr / 8.
+// vec: x and err are 16-byte aligned.
+template <typename T>
+__global__ void __launch_bounds__(256) zq_onebit_apply(const T* __restrict__ x, float* __restrict__ err,
+                                                       long long numel, long long nerr, int vec,
+                                                       const float* __restrict__ scale,
+                                                       unsigned char* __restrict__ packed) {
+    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long e0 = b * 8;
+    if (e0 >= nerr) return;
+    const int nv = zq_count(e0, 8, numel);
+    float v[8];
+    if (nv > 0) {
+        float ev[8];
+        ZqFlatLoader<T>{x, vec}.load(e0, nv, v);
+        ZqFlatLoader<float>{err, vec}.load(e0, nv, ev);
+        const float s = scale[0];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            v[m] = __fadd_rn(v[m], ev[m]);
+            ev[m] = __fsub_rn(v[m], v[m] >= 0.0f ? s : -s);
+        }
+        zq_store_chunk(err, e0, nv, ev, vec);
+    }
+    packed[b] = (unsigned char)zq_sign_byte(v, nv, 1u);
 }
 
 #ifdef ZPP_NVCC_CHECK
@@ -675,10 +783,12 @@ __global__ void __launch_bounds__(256) zq_unpack_signs(const unsigned char* __re
     (const void*)&zq_quantize<T, 1>, (const void*)&zq_quantize<T, 4>,                         \
         (const void*)&zq_swizzle_quantize<T, 1>, (const void*)&zq_swizzle_quantize<T, 4>,     \
         (const void*)&zq_dequant_sum<T>, (const void*)&zq_pack_signs<T>,                      \
-        (const void*)&zq_unpack_signs<T>
+        (const void*)&zq_unpack_scaled<T>, (const void*)&zq_onebit_sumsq<T>,                  \
+        (const void*)&zq_onebit_apply<T>
 extern const void* const zq_nvcc_instances[];
 const void* const zq_nvcc_instances[] = {
     ZQ_INSTANCES_FOR(float), ZQ_INSTANCES_FOR(zq_half), ZQ_INSTANCES_FOR(zq_bf16),
     (const void*)&zq_requant_sum<1>, (const void*)&zq_requant_sum<4>,
+    (const void*)&zq_signs_weighted_sum, (const void*)&zq_onebit_scale,
 };
 #endif

@@ -33,8 +33,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_R
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_IDS = ("fp32", "fp16", "bf16")
 POISONS = (0xFF, 0x5A)
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-_CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+             torch.float64: torch.int64}
+_CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0,
+                  torch.float64: 0x7FF8000000000000}
 
 
 @pytest.fixture(scope="module")
@@ -412,3 +414,188 @@ def test_dispatch_picks_cuda(monkeypatch):
     assert_quantized((q.data, q.scales), want, "api quantize")
     assert_bits(zq.dequantize(q), reference.dequantize(*want, 3000, 4, 128, True, torch.bfloat16).view(3000), "api dequantize")
     assert zq.fallback_counts().get("cuda", 0) == before
+
+
+# -- 1-bit error feedback ([Note: 1-bit kernels] in zpp/quant/reference.py) -------------------
+
+def _blocked_sumsq(b: torch.Tensor, block: int, lanes: int, tree: bool) -> tuple[torch.Tensor, float]:
+    """The fp64 sum of squares of b (fp32, CPU) in the blocked order of cuda/quant.cu's
+    zq_onebit_sumsq, in plain torch: (block sums, their total added in block order)."""
+    sq = b.double().square()  # exact: a float squared fits a double
+    n = sq.numel()
+    nparts = -(-n // block)
+    sq = torch.cat([sq, torch.zeros(nparts * block - n, dtype=torch.float64)])
+    sq = sq.view(nparts, block // lanes, lanes)
+    acc = torch.zeros(nparts, lanes, dtype=torch.float64)
+    for j in range(block // lanes):  # lane l: offsets l, l + lanes, ... in order
+        acc = acc + sq[:, j, :]
+    if tree:
+        while acc.shape[1] > 1:
+            h = acc.shape[1] // 2
+            acc = acc[:, :h] + acc[:, h:]
+        parts = acc[:, 0]
+    else:
+        parts = acc[:, 0].clone()
+        for j in range(1, lanes):
+            parts = parts + acc[:, j]
+    total = 0.0
+    for p in parts.tolist():  # Python floats: one IEEE double add at a time, in order
+        total += p
+    return parts, total
+
+
+ONEBIT_CASES = [
+    # (numel, zero padding of the error buffer, offset of x in elements, offset of the error buffer)
+    (0, 8, 0, 0),
+    (1, 7, 0, 0),
+    (13, 3, 1, 0),
+    (1000, 0, 0, 0),
+    (16384, 0, 0, 0),  # exactly one block of the sum of squares
+    (16385, 7, 0, 0),
+    (40001, 7, 0, 1),  # misaligned error buffer: scalar paths
+    (70000, 16, 3, 0),
+    (3 * 16384 + 5, 3, 0, 0),
+]
+
+
+def _onebit_inputs(numel: int, pad: int, dtype: torch.dtype, seed: int):
+    g = _gen(seed)
+    x = torch.randn(numel, generator=g)
+    if numel > 64:  # magnitudes over many decades: the order of the fp64 sum shows in its last bits
+        x *= 10.0 ** torch.randint(-6, 7, (numel,), generator=g).float()
+    x = x.to(dtype)
+    err = torch.zeros(numel + pad)
+    err[:numel] = torch.randn(numel, generator=g) * 0.1
+    err[numel:] = torch.arange(pad, dtype=torch.float32) + 0.5  # must stay untouched
+    return x, err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("numel,pad,xoff,eoff", ONEBIT_CASES)
+def test_onebit_compress(K, poisoned, dtype, numel, pad, xoff, eoff):
+    from zpp.quant import cuda
+
+    x, err0 = _onebit_inputs(numel, pad, dtype, seed=numel + pad)
+    e_ref = err0.clone()
+    p_ref, s_ref = reference.onebit_compress(x, e_ref, numel)
+    b = x.float() + err0[:numel]
+    parts, total = _blocked_sumsq(b, cuda._SUMSQ_BLOCK, cuda._SUMSQ_LANES, cuda._SUMSQ_TREE)
+    s_want = torch.tensor([(total / numel) ** 0.5 if numel else 0.0], dtype=torch.float32)
+    xc = _cuda(x, xoff)
+    buffers = []
+
+    def run():
+        e = _cuda(err0, eoff)
+        buffers.append(e)
+        return K._onebit_compress(xc, e, numel)
+
+    for i, (packed, scale, partials) in enumerate(poisoned(run)):
+        e = buffers[i]
+        assert_bits(packed, p_ref, f"onebit packed run {i}")
+        # the documented order, bit for bit: every block sum, their total, the scale
+        assert_bits(partials, torch.cat([parts, torch.tensor([total], dtype=torch.float64)]),
+                    f"onebit block sums run {i}")
+        assert_bits(scale, s_want, f"onebit scale run {i}")
+        # the error with that scale, as the reference computes it
+        e_want = err0.clone()
+        e_want[:numel] = b - torch.where(b >= 0, s_want, -s_want)
+        assert_bits(e, e_want, f"onebit error run {i}")
+        # the reference's own sum (torch's order) may differ in its last fp64 bits only
+        torch.testing.assert_close(scale.cpu(), s_ref, rtol=1e-7, atol=0)
+        if torch.equal(s_want, s_ref):
+            assert_bits(e, e_ref, f"onebit error vs reference run {i}")
+
+
+def test_onebit_compress_nonfinite_and_signed_zero(K):
+    x = torch.tensor([float("nan"), -0.0, 1.0, -2.0, 0.0, 3.0, -1.0, 2.0, float("inf"), -3.0])
+    for dtype in DTYPES:
+        e = torch.zeros(16, device="cuda")
+        packed, scale = K.onebit_compress(_cuda(x.to(dtype)), e, 10)
+        want_p, want_s = reference.onebit_compress(x.to(dtype), torch.zeros(16), 10)
+        assert_bits(packed, want_p, f"{dtype} packed")
+        assert packed.cpu().tolist() == [0b10110110, 0b11111101]  # NaN -> 0, -0.0 -> 1, padding 1
+        assert_bits(scale, want_s, f"{dtype} scale")
+        assert torch.isnan(scale.cpu()).all()
+        e = e.cpu()
+        assert torch.isnan(e[:10]).all() and torch.equal(e[10:], torch.zeros(6))
+
+
+def test_onebit_compress_rejects_bad_buffers(K):
+    x = torch.ones(16, device="cuda")
+    with pytest.raises(ValueError, match="float32"):
+        K.onebit_compress(x, torch.zeros(16, dtype=torch.float16, device="cuda"), 16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        K.onebit_compress(x, torch.zeros(12, device="cuda"), 12)
+    with pytest.raises(ValueError, match="numel=17"):
+        K.onebit_compress(x, torch.zeros(24, device="cuda"), 17)
+
+
+def _weighted_inputs(k: int, chunk: int, seed: int):
+    g = _gen(seed)
+    packed = torch.randint(0, 256, (k * chunk // 8,), generator=g, dtype=torch.uint8)
+    scales = torch.rand(k, generator=g) * 10.0 ** float(torch.randint(-3, 4, (1,), generator=g))
+    return packed, scales
+
+
+@pytest.mark.parametrize("k,chunk,divisor", [(1, 8, 1.0), (2, 64, 2.0), (3, 4104, 3.0), (4, 40000, 4.0),
+                                             (5, 1032, 0.7), (7, 65536, 1.0)])
+def test_signs_weighted_sum(K, poisoned, k, chunk, divisor):
+    packed, scales = _weighted_inputs(k, chunk, seed=k * 131 + chunk)
+    want = reference.signs_weighted_sum(packed, scales, chunk, divisor)
+    pc, sc = packed.cuda(), scales.cuda()
+    for i, got in enumerate(poisoned(lambda: K.signs_weighted_sum(pc, sc, chunk, divisor))):
+        assert_bits(got, want, f"signs_weighted_sum run {i}")
+
+
+def test_signs_weighted_sum_special_scales(K, poisoned):
+    packed, _ = _weighted_inputs(4, 64, seed=9)
+    for special in ([0.5, -0.0, 3e38, 3e38], [1.0, float("inf"), 2.0, 1.0], [float("nan"), 1.0, 1.0, 1.0]):
+        scales = torch.tensor(special)
+        want = reference.signs_weighted_sum(packed, scales, 64, 3.0)
+        for got in poisoned(lambda: K.signs_weighted_sum(packed.cuda(), scales.cuda(), 64, 3.0)):
+            assert_bits(got, want, f"signs_weighted_sum {special}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("k,chunk,numel", [(1, 8, 8), (1, 8, 3), (3, 64, 190), (4, 4104, 16411),
+                                           (2, 40000, 80000), (5, 1032, 4097)])
+def test_unpack_scaled(K, poisoned, dtype, k, chunk, numel):
+    packed, scales = _weighted_inputs(k, chunk, seed=k * 17 + numel)
+    if k >= 3:
+        scales[1] = float("nan")
+        scales[2] = -0.0
+    want = reference.unpack_scaled(packed, scales, chunk, numel, dtype)
+    pc, sc = packed.cuda(), scales.cuda()
+    for i, got in enumerate(poisoned(lambda: K.unpack_scaled(pc, sc, chunk, numel, dtype))):
+        assert_bits(got, want, f"unpack_scaled run {i}")
+
+
+def test_unpack_scaled_rejects_bad_sizes(K):
+    packed, scales = torch.zeros(16, dtype=torch.uint8, device="cuda"), torch.ones(2, device="cuda")
+    with pytest.raises(ValueError, match="numel=129"):
+        K.unpack_scaled(packed, scales, 64, 129, torch.float32)
+    with pytest.raises(ValueError, match="chunk=60"):
+        K.signs_weighted_sum(packed, scales, 60, 1.0)
+    assert K.unpack_scaled(packed, scales, 64, 0, torch.float32).shape == (0,)
+
+
+def test_dispatch_runs_onebit_on_cuda(monkeypatch):
+    import zpp.quant as zq
+    from zpp.quant import dispatch
+
+    monkeypatch.delenv("ZPP_QUANT_IMPL", raising=False)
+    assert dispatch.kernels_for(torch.device("cuda")).NAME == "cuda"
+    before = zq.fallback_counts()
+    x, err0 = _onebit_inputs(1000, 8, torch.bfloat16, seed=2)
+    e = err0.cuda()
+    packed, scale = zq.onebit_compress(x.cuda(), e, numel=1000)
+    e_ref = err0.clone()
+    p_ref, _ = reference.onebit_compress(x, e_ref, 1000)
+    assert_bits(packed, p_ref, "api onebit_compress")
+    scales = torch.tensor([0.5, 2.0], device="cuda")
+    two = torch.cat([packed[:63], packed[:63]])
+    assert_bits(zq.signs_weighted_sum(two, scales, chunk=504, divisor=2.0),
+                reference.signs_weighted_sum(two.cpu(), scales.cpu(), 504, 2.0), "api signs_weighted_sum")
+    assert_bits(zq.unpack_scaled(two, scales, chunk=504, numel=1001, dtype=torch.float16),
+                reference.unpack_scaled(two.cpu(), scales.cpu(), 504, 1001, torch.float16), "api unpack_scaled")
+    assert zq.fallback_counts() == before  # no "cuda.<op>" fallback counted

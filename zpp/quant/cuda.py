@@ -18,16 +18,26 @@ NAME = "cuda"
 
 _TYPE_NAMES = {torch.float32: "float", torch.float16: "zq_half", torch.bfloat16: "zq_bf16"}
 _CACHES = (1, 4)
+_PER_TYPE = ("dequant_sum", "pack_signs", "unpack_scaled", "onebit_sumsq", "onebit_apply")
 _NAMES = tuple(
     [f"zq_quantize<{t}, {c}>" for t in _TYPE_NAMES.values() for c in _CACHES]
     + [f"zq_swizzle_quantize<{t}, {c}>" for t in _TYPE_NAMES.values() for c in _CACHES]
     + [f"zq_requant_sum<{c}>" for c in _CACHES]
-    + [f"zq_{k}<{t}>" for t in _TYPE_NAMES.values() for k in ("dequant_sum", "pack_signs", "unpack_signs")]
+    + [f"zq_{k}<{t}>" for t in _TYPE_NAMES.values() for k in _PER_TYPE]
+    + ["zq_signs_weighted_sum", "zq_onebit_scale"]
 )
 _OPTIONS = ("-std=c++17", "--fmad=false")
 _BLOCK = 256  # elementwise kernels: threads per block, 8 elements per thread
 _MAX_GROUP_BLOCK = 512  # quantize kernels: at most this many threads per group
 _MAX_GRID = 2**31 - 1
+# onebit_compress's fp64 sum of squares, in the order of [Note: 1-bit kernels]
+# (zpp/quant/reference.py) as cuda/quant.cu's zq_onebit_sumsq defines it: blocks of
+# _SUMSQ_BLOCK elements, _SUMSQ_LANES interleaved lanes per block combined pairwise
+# (_SUMSQ_TREE) or left to right, block sums added in order.
+_SUMSQ_BLOCK = 16384
+_SUMSQ_LANES = 256
+_SUMSQ_TREE = True
+_SUMSQ_THREADS = 256  # ZQ_SUMSQ_THREADS in quant.cu
 
 
 def source_path() -> Path:
@@ -188,17 +198,11 @@ class _CudaKernels:
         n = x.numel()
         if n == 0:
             return _empty_quantized(x.device, symmetric)
-        groups = _cdiv(n, group_size)
-        data = _alloc((groups * group_size * bits // 8,), torch.uint8, x.device)
-        scales = _alloc((groups,) if symmetric else (groups, 2), torch.float32, x.device)
-        threads, cache = _group_launch(group_size)
         vec = int(x.data_ptr() % 16 == 0)
-        self._launch(
-            x.device, f"zq_quantize<{tname}, {cache}>", groups, threads,
-            (_ptr(x), _i64(n), _i32(group_size), _i32(bits), _i32(symmetric), _i32(vec),
-             _ptr(data), _ptr(scales)),
+        return self._quantize_groups(
+            x.device, f"zq_quantize<{tname}, {{cache}}>", n, bits, group_size, symmetric,
+            (_ptr(x), _i64(n), _i32(group_size), _i32(bits), _i32(symmetric), _i32(vec)),
         )
-        return data, scales
 
     def swizzle_quantize(self, x, nodes, ranks_per_node, chunk, bits, group_size, symmetric):
         x = _flat(x, "input")
@@ -217,16 +221,21 @@ class _CudaKernels:
             )
         if total == 0:
             return _empty_quantized(x.device, symmetric)
-        groups = _cdiv(total, group_size)
-        data = _alloc((groups * group_size * bits // 8,), torch.uint8, x.device)
-        scales = _alloc((groups,) if symmetric else (groups, 2), torch.float32, x.device)
-        threads, cache = _group_launch(group_size)
         vec = int(n > 0 and x.data_ptr() % 16 == 0 and chunk % 8 == 0)
-        self._launch(
-            x.device, f"zq_swizzle_quantize<{tname}, {cache}>", groups, threads,
+        return self._quantize_groups(
+            x.device, f"zq_swizzle_quantize<{tname}, {{cache}}>", total, bits, group_size, symmetric,
             (_ptr(x), _i64(n), _i64(total), _i64(chunk), _i64(nodes * chunk), _i32(ranks_per_node),
-             _i32(group_size), _i32(bits), _i32(symmetric), _i32(vec), _ptr(data), _ptr(scales)),
+             _i32(group_size), _i32(bits), _i32(symmetric), _i32(vec)),
         )
+
+    def _quantize_groups(self, device, name, total, bits, group_size, symmetric, args):
+        """Launches a one-block-per-group kernel ``name`` (``{cache}`` filled in) over ``total``
+        elements with ``args`` followed by the payload and scales it allocates; returns those."""
+        groups = _cdiv(total, group_size)
+        data = _alloc((groups * group_size * bits // 8,), torch.uint8, device)
+        scales = _alloc((groups,) if symmetric else (groups, 2), torch.float32, device)
+        threads, cache = _group_launch(group_size)
+        self._launch(device, name.format(cache=cache), groups, threads, args + (_ptr(data), _ptr(scales)))
         return data, scales
 
     def _sum_inputs(self, data, scales, total, bits, group_size, symmetric):
@@ -247,18 +256,21 @@ class _CudaKernels:
             )
         return data, scales
 
-    def _dequant_sum(self, data, scales, k, n, bits, group_size, symmetric, divisor, dtype):
-        tname = _type_name(dtype)
-        out = _alloc((n,), dtype, data.device)
+    @staticmethod
+    def _sum_args(data, scales, k, n, bits, group_size, symmetric, divisor) -> tuple:
+        """The leading arguments of zq_dequant_sum and zq_requant_sum (a ZqSumLoader)."""
         align = 8 if bits == 8 else 4
         vec = int(group_size % 8 == 0 and (k == 1 or n % 8 == 0) and data.data_ptr() % align == 0)
         has_div = divisor != 1.0
-        self._launch(
-            data.device, f"zq_dequant_sum<{tname}>", _cdiv(_cdiv(n, 8), _BLOCK), _BLOCK,
-            (_ptr(data), _ptr(scales), _i64(n), _i32(k), _i32(group_size), _i32(bits),
-             _i32(symmetric), _i32(vec), _i32(has_div), np.float32(divisor if has_div else 1.0),
-             _ptr(out)),
-        )
+        return (_ptr(data), _ptr(scales), _i64(n), _i32(k), _i32(group_size), _i32(bits),
+                _i32(symmetric), _i32(vec), _i32(has_div), np.float32(divisor if has_div else 1.0))
+
+    def _dequant_sum(self, data, scales, k, n, bits, group_size, symmetric, divisor, dtype):
+        tname = _type_name(dtype)
+        out = _alloc((n,), dtype, data.device)
+        args = self._sum_args(data, scales, k, n, bits, group_size, symmetric, divisor)
+        self._launch(data.device, f"zq_dequant_sum<{tname}>", _cdiv(_cdiv(n, 8), _BLOCK), _BLOCK,
+                     args + (_ptr(out),))
         return out
 
     def dequantize(self, data, scales, numel, bits, group_size, symmetric, dtype):
@@ -287,20 +299,11 @@ class _CudaKernels:
         divisor = float(divisor)
         if requant_bits is None:
             return self._dequant_sum(data, scales, k, n, bits, group_size, symmetric, divisor, out_dtype)
-        groups = _cdiv(n, requant_group_size)
-        out = _alloc((groups * requant_group_size * requant_bits // 8,), torch.uint8, data.device)
-        out_scales = _alloc((groups,) if symmetric else (groups, 2), torch.float32, data.device)
-        threads, cache = _group_launch(requant_group_size)
-        align = 8 if bits == 8 else 4
-        vec = int(group_size % 8 == 0 and (k == 1 or n % 8 == 0) and data.data_ptr() % align == 0)
-        has_div = divisor != 1.0
-        self._launch(
-            data.device, f"zq_requant_sum<{cache}>", groups, threads,
-            (_ptr(data), _ptr(scales), _i64(n), _i32(k), _i32(group_size), _i32(bits),
-             _i32(symmetric), _i32(vec), _i32(has_div), np.float32(divisor if has_div else 1.0),
-             _i32(requant_group_size), _i32(requant_bits), _ptr(out), _ptr(out_scales)),
+        args = self._sum_args(data, scales, k, n, bits, group_size, symmetric, divisor)
+        return self._quantize_groups(
+            data.device, "zq_requant_sum<{cache}>", n, requant_bits, requant_group_size, symmetric,
+            args + (_i32(requant_group_size), _i32(requant_bits)),
         )
-        return out, out_scales
 
     def pack_signs(self, x: torch.Tensor) -> torch.Tensor:
         x = _flat(x, "input")
@@ -326,12 +329,95 @@ class _CudaKernels:
             raise ValueError(f"zpp.quant.cuda: {packed.numel()} bytes cannot hold {numel} signs")
         if numel == 0:
             return torch.empty(0, dtype=dtype, device=packed.device)
+        return self._unpack_scaled(packed, None, 8, numel, dtype)
+
+    def _unpack_scaled(self, packed, scales, chunk, numel, dtype):
+        """zq_unpack_scaled: ``scales[e // chunk] * sign_e`` (``scales`` None: +-1)."""
         out = _alloc((numel,), dtype, packed.device)
+        sptr = np.uint64(0) if scales is None else _ptr(scales)
         self._launch(
-            packed.device, f"zq_unpack_signs<{tname}>", _cdiv(_cdiv(numel, 8), _BLOCK), _BLOCK,
-            (_ptr(packed), _i64(numel), _ptr(out)),
+            packed.device, f"zq_unpack_scaled<{_type_name(dtype)}>", _cdiv(_cdiv(numel, 8), _BLOCK),
+            _BLOCK, (_ptr(packed), sptr, _i64(chunk), _i64(numel), _ptr(out)),
         )
         return out
+
+    # -- 1-bit error feedback ([Note: 1-bit kernels] in reference.py) ----------------------
+
+    def onebit_compress(self, x: torch.Tensor, error: torch.Tensor, numel: int):
+        packed, scale, _ = self._onebit_compress(x, error, numel)
+        return packed, scale
+
+    def _onebit_compress(self, x, error, numel):
+        """onebit_compress, also returning the fp64 block sums of squares followed by their
+        total (what tests compare with the documented order)."""
+        x = _flat(x, "input")
+        tname = _type_name(x.dtype)
+        if (not isinstance(error, torch.Tensor) or error.device != x.device or error.dtype != torch.float32
+                or error.dim() != 1 or not error.is_contiguous()):
+            what = (f"{error.dtype} {tuple(error.shape)} on {error.device}" if isinstance(error, torch.Tensor)
+                    else type(error).__name__)
+            raise ValueError(f"zpp.quant.cuda: the error buffer must be a contiguous 1-D float32 tensor "
+                             f"on {x.device} (got {what})")
+        nerr = error.numel()
+        if not 0 <= numel <= min(x.numel(), nerr) or nerr % 8:
+            raise ValueError(f"zpp.quant.cuda: numel={numel} with x of {x.numel()} and an error buffer of "
+                             f"{nerr} elements (a multiple of 8 is needed)")
+        dev = x.device
+        packed = _alloc((nerr // 8,), torch.uint8, dev)
+        scale = _alloc((1,), torch.float32, dev)
+        nparts = _cdiv(numel, _SUMSQ_BLOCK)
+        partials = _alloc((nparts + 1,), torch.float64, dev)
+        per_block = _SUMSQ_THREADS // _SUMSQ_LANES  # element blocks per thread block
+        if nparts:
+            self._launch(
+                dev, f"zq_onebit_sumsq<{tname}>", _cdiv(nparts, per_block), _SUMSQ_THREADS,
+                (_ptr(x), _ptr(error), _i64(numel), _i32(_SUMSQ_BLOCK), _i32(_SUMSQ_LANES),
+                 _i32(_SUMSQ_TREE), _ptr(partials)),
+            )
+        self._launch(dev, "zq_onebit_scale", 1, 32, (_ptr(partials), _i64(nparts), _i64(numel), _ptr(scale)))
+        if nerr:
+            vec = int(x.data_ptr() % 16 == 0 and error.data_ptr() % 16 == 0)
+            self._launch(
+                dev, f"zq_onebit_apply<{tname}>", _cdiv(nerr // 8, _BLOCK), _BLOCK,
+                (_ptr(x), _ptr(error), _i64(numel), _i64(nerr), _i32(vec), _ptr(scale), _ptr(packed)),
+            )
+        return packed, scale, partials
+
+    def _signs_inputs(self, packed, scales, chunk) -> tuple[torch.Tensor, torch.Tensor, int]:
+        packed, scales = _flat(packed, "packed signs"), _flat(scales, "scales")
+        if packed.dtype != torch.uint8 or scales.dtype != torch.float32:
+            raise TypeError(f"zpp.quant.cuda: packed signs must be uint8 and scales float32, got "
+                            f"{packed.dtype} and {scales.dtype}")
+        if packed.device != scales.device:
+            raise ValueError(f"zpp.quant.cuda: packed signs on {packed.device} but scales on {scales.device}")
+        k = scales.numel()
+        if chunk <= 0 or chunk % 8 or packed.numel() != k * chunk // 8:
+            raise ValueError(f"zpp.quant.cuda: {packed.numel()} packed bytes for k={k} scales x "
+                             f"chunk={chunk} (a positive multiple of 8) / 8")
+        return packed, scales, k
+
+    def signs_weighted_sum(self, packed, scales, chunk: int, divisor: float) -> torch.Tensor:
+        packed, scales, k = self._signs_inputs(packed, scales, chunk)
+        if k < 1:
+            raise ValueError("zpp.quant.cuda: signs_weighted_sum needs at least one scale")
+        divisor = float(divisor)
+        has_div = divisor != 1.0
+        out = _alloc((chunk,), torch.float32, packed.device)
+        self._launch(
+            packed.device, "zq_signs_weighted_sum", _cdiv(chunk // 8, _BLOCK), _BLOCK,
+            (_ptr(packed), _ptr(scales), _i32(k), _i64(chunk), _i32(has_div),
+             np.float32(divisor if has_div else 1.0), _ptr(out)),
+        )
+        return out
+
+    def unpack_scaled(self, packed, scales, chunk: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        packed, scales, k = self._signs_inputs(packed, scales, chunk)
+        _type_name(dtype)
+        if not 0 <= numel <= k * chunk:
+            raise ValueError(f"zpp.quant.cuda: numel={numel} exceeds {k} chunks of {chunk}")
+        if numel == 0:
+            return torch.empty(0, dtype=dtype, device=packed.device)
+        return self._unpack_scaled(packed, scales, chunk, numel, dtype)
 
 
 _instance: _CudaKernels | None = None
