@@ -1,6 +1,7 @@
 // zpp.quant CUDA kernels: block quantization (int8/int4, symmetric/asymmetric), dequantize,
 // the swizzled quantize of the two-hop reduce-scatter, the fused dequantize -> fp32 sum ->
-// divide -> requantize-or-write, and 1-bit sign packing.
+// divide -> requantize-or-write, 1-bit sign packing, and the fused 1-bit error-feedback ops
+// (onebit_compress, signs_weighted_sum, unpack_scaled; see their section for the fp64 order).
 //
 // Bit-exact with zpp/quant/reference.py (layout and arithmetic: zpp/quant/types.py):
 //   * x / scale is an IEEE division (__fdiv_rn); codes are rounded half to even
@@ -25,8 +26,9 @@
 //     group (vector loads/stores where aligned), keeps up to CACHE chunks in registers between
 //     the statistics pass and the encode pass (more are re-read), and the statistics are
 //     reduced with warp shuffles and one shared-memory step;
-//   * elementwise kernels (zq_dequant_sum, zq_pack_signs, zq_unpack_signs) run one thread per
-//     chunk of 8 elements (one packed byte of signs).
+//   * elementwise kernels (zq_dequant_sum, zq_pack_signs, zq_unpack_scaled, zq_signs_weighted_sum,
+//     zq_onebit_apply) run one thread per chunk of 8 elements (one packed byte of signs);
+//   * zq_onebit_sumsq runs one block of threads per ZQ_SUMSQ_THREADS / lanes blocks of elements.
 // Element indices are 64-bit. group_size must be even (int4 packs element pairs of a group).
 
 #define ZQ_FULL_MASK 0xffffffffu

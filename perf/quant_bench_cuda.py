@@ -2,8 +2,16 @@
 
 For each input size (MiB of the input tensor) and input dtype, times with CUDA events:
 torch's copy_ (read + write of the input), and quantize / dequantize (int8, int4), the fused
-reduce (k = 4 int4 slices -> int4) and sign pack / unpack. Effective bandwidth = bytes read +
-bytes written per second; "ratio" = that over the copy's bandwidth at the same size.
+reduce (k = 4 int4 slices -> int4), sign pack / unpack, and the fused 1-bit error-feedback ops
+of OneBitAllReduce (onebit_compress, signs_weighted_sum over k = 8 ranks' sign chunks,
+unpack_scaled). Effective bandwidth = bytes read + bytes written per second; "ratio" = that
+over the copy's bandwidth at the same size.
+
+onebit_compress is counted at its one-pass minimum (read x and the error, write the error and
+the signs) although it makes two passes over x and the error (the scale, a global sum, must be
+known before any sign's error can be written): beyond the L2 cache expect a ratio of about
+(s + 8.125) / (2 s + 12.125) for s-byte inputs, i.e. 0.60 (fp32) and 0.63 (bf16), less the
+small serial fp64 sum over one partial per 16384 elements.
 
 Launch overhead is kept out of the timings: the GPU first sleeps while the CPU queues all the
 timed iterations (torch.cuda._sleep), and events bracket only the queued kernels.
@@ -96,7 +104,19 @@ def main() -> int:
             p = K.pack_signs(x)
             t = _time(lambda: K.unpack_signs(p, n, dtype), args.iters)
             report("unpack_signs", t, n // 8 + n * esz)
-            del x, y, q, qs, p
+            # 1-bit error feedback: compress n elements; average k = 8 ranks' sign chunks
+            # (n / 8 each); expand k scaled chunks back to n elements.
+            err = torch.zeros(n, device="cuda")
+            t = _time(lambda: K.onebit_compress(x, err, n), args.iters)
+            report("onebit_compress", t, n * esz + 4 * n + 4 * n + n // 8)
+            ranks = 8
+            chunk = n // ranks
+            scales = torch.rand(ranks, device="cuda") + 0.5
+            t = _time(lambda: K.signs_weighted_sum(p, scales, chunk, float(ranks)), args.iters)
+            report("signs_weighted_sum k=8", t, n // 8 + 4 * chunk)
+            t = _time(lambda: K.unpack_scaled(p, scales, chunk, n, dtype), args.iters)
+            report("unpack_scaled", t, n // 8 + n * esz)
+            del x, y, q, qs, p, err
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
