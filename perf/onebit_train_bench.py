@@ -35,11 +35,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+
+import trainlib  # noqa: E402
 
 # variant -> (optimizer type, its params less lr/freeze); None: torch DDP with torch AdamW
 VARIANTS = {
@@ -52,29 +52,10 @@ VARIANTS = {
 _FREEZE = {"OneBitAdam": "freeze_step", "OneBitLamb": "freeze_step", "ZeroOneAdam": "var_freeze_step"}
 
 
-def _eth_bytes(dev: str = "zpp-eth") -> tuple[int, int, int] | None:
-    """(tx bytes, tx packets, TCP segments retransmitted) of ``dev`` and of TCP in this
-    process's network namespace, or None outside one that has ``dev``."""
-    try:
-        with open("/proc/net/dev") as f:
-            rows = [rest.split() for name, _, rest in (line.partition(":") for line in f) if name.strip() == dev]
-        with open("/proc/net/snmp") as f:
-            tcp = [line.split()[1:] for line in f if line.startswith("Tcp:")]
-    except OSError:
-        return None
-    if not rows or len(tcp) < 2:
-        return None
-    retrans = int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
-    return int(rows[0][8]), int(rows[0][9]), retrans
-
-
 def _run_variant(t, name, args, data):
-    from perf.train_bench import _modelled_bytes
-    from tests.gpt import GPT, GPTConfig
     import zpp.zero as zz
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block))
+    model = trainlib.make_model(args)
     psi = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(t.rank)
     engine = None
@@ -117,31 +98,17 @@ def _run_variant(t, name, args, data):
     t.counters.reset()
     t.barrier()
     split[:] = [0.0, 0.0]
-    eth0 = _eth_bytes()
+    eth0 = trainlib.eth_counters()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     t.barrier()
     dt = (time.perf_counter() - t0) / args.steps
-    eth1 = _eth_bytes()
-    snap = t.counters.snapshot()  # before the exchange of the interface counters below
-    # every rank's namespace counters (a node's ranks share one): rank 0 reports them per node
-    eth = torch.full((3,), -1.0, dtype=torch.float64)
-    if eth0 is not None and eth1 is not None:
-        eth = torch.tensor([b - a for a, b in zip(eth0, eth1)], dtype=torch.float64) / args.steps
-    every = torch.empty(3 * t.world_size, dtype=torch.float64)
-    t.all_gather(every, eth)
-    every = every.view(t.world_size, 3)
-    first_of_node = {}
-    for r, n in enumerate(t.nodes):
-        first_of_node.setdefault(n, r)
-    nodes = [every[r].tolist() for _, r in sorted(first_of_node.items())]
+    eth1 = trainlib.eth_counters()
+    snap = t.counters.snapshot()  # before the exchange of the link counters below
     row = {"variant": name, "params": psi, "step_s": dt, "fwd_bwd_s": split[0] / args.steps,
-           "opt_step_s": split[1] / args.steps, "loss": loss}
-    if min(min(n) for n in nodes) >= 0:
-        row["eth_tx_bytes_per_node"] = [n[0] for n in nodes]
-        row["eth_tx_packets_per_node"] = [n[1] for n in nodes]
-        row["tcp_retrans_per_node"] = [n[2] for n in nodes]
+           "opt_step_s": split[1] / args.steps, "loss": loss,
+           **trainlib.node_eth_per_step(t, eth0, eth1, args.steps)}
     if engine is not None:
         row["inter_bytes"] = sum(s.inter_bytes for s in snap.values()) / args.steps
         row["intra_bytes"] = sum(s.intra_bytes for s in snap.values()) / args.steps
@@ -150,7 +117,7 @@ def _run_variant(t, name, args, data):
             assert opt.step_count > args.warmup, "measured steps must be in the compression stage"
         engine.close()
     else:
-        row["inter_bytes"], row["intra_bytes"] = _modelled_bytes("ddp", psi, t)
+        row["inter_bytes"], row["intra_bytes"] = trainlib.modelled_bytes("ddp", psi, t)
         row["bytes_source"] = "model"
     return row
 
@@ -170,8 +137,8 @@ def _print(rows, args, world, per_node):
           f"{'eth_tx_B/step (node 0, 1)':>30}{'tcp_retrans/step':>20}{'loss':>8}")
     for r in rows:
         mark = "" if r["bytes_source"] == "counters" else " (model)"
-        eth = ", ".join(f"{b:.0f}" for b in r["eth_tx_bytes_per_node"]) if "eth_tx_bytes_per_node" in r else "-"
-        rt = ", ".join(f"{b:.0f}" for b in r["tcp_retrans_per_node"]) if "tcp_retrans_per_node" in r else "-"
+        eth = trainlib.fmt_eth(r, "eth_tx_bytes_per_node")
+        rt = trainlib.fmt_eth(r, "tcp_retrans_per_node")
         print(f"{r['variant']:<14}{r['step_s']:>9.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_step_s']:>8.3f}"
               f"{r['inter_bytes']:>14.0f}{eth:>30}{rt:>20}{r['loss']:>8.3f}{mark}")
 
@@ -189,49 +156,15 @@ def _rank_main(t, args):
     return rows
 
 
-def _spawned(rank, world, per_node, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
-                      ZPP_RANKS_PER_NODE=str(per_node))
-    torch.set_num_threads(1)
-    from zpp.comm.registry import get_transport
-
-    _rank_main(get_transport("torch"), args)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=4, help="ranks to spawn when not under a launcher")
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=3, help="also the 1-bit optimizers' freeze step")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--block", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
+    trainlib.add_model_args(p, n_layer=4, n_embd=256, block=128, batch=4, steps=5, warmup=3)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--variants", default="ddp-adamw,zero0-adamw,onebitadam")
-    p.add_argument("--json", default=None)
+    p.add_argument("--variants", default="ddp-adamw,zero0-adamw,onebitadam",
+                   help="comma-separated, from " + ", ".join(VARIANTS) + " (--warmup is also the freeze step)")
     args = p.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in args.variants if v not in VARIANTS]
-    if bad:
-        p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
-    if "RANK" in os.environ:
-        torch.set_num_threads(1)
-        from zpp.comm.registry import get_transport
-
-        _rank_main(get_transport("torch"), args)
-        return
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world, args.ranks_per_node, port, args), nprocs=args.world, join=True)
+    trainlib.parse_variants(p, args, VARIANTS)
+    trainlib.launch(_rank_main, args)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,33 @@
-"""Training-step benchmark: zpp ZeRO stages and ZeRO++ switches vs torch DDP and FSDP2.
+"""Training-step benchmark: zpp ZeRO stages and ZeRO++ switches vs torch DDP, torch FSDP2
+and DeepSpeed ZeRO-3, on the same GPT, data and optimizer.
 
-    python perf/train_bench.py --world 4 --ranks-per-node 2 --steps 6       # spawns ranks
-    torchrun --nnodes 2 --nproc-per-node 2 ... perf/train_bench.py --steps 6 # one per rank
-    python perf/train_bench.py --variants zero3,zero3-zeropp --json out.json
+    python perf/train_bench.py --world 4 --ranks-per-node 2 --steps 3      # spawns local ranks
+    zpp cluster run --nodes 2 --ranks-per-node 2 -- python perf/train_bench.py --variants zero3
+    sudo python perf/train_cluster.py                  # each variant in fresh processes, 2 rates
 
-For each variant: a GPT from tests/gpt.py on the stdlib character corpus, ``--warmup``
-steps, then ``--steps`` measured steps. Rank 0 prints one line per variant:
+For each variant: a GPT from tests/gpt.py on the stdlib character corpus, AdamW (lr 1e-3, no
+weight decay), ``--warmup`` steps, then ``--steps`` measured steps. Rank 0 prints one line per
+variant:
 
-    variant  step_s  inter_B/step  intra_B/step  model_state_B  peak_rss_MiB  loss
+    variant  step_s  fwd_bwd_s  opt_s  inter_B/step  eth_tx_B/step (node 0, 1)  state_B  peak_MiB  loss
 
-Bytes: zpp variants read the transport's wire counters (direct-exchange model, see
-[Note: what is counted] in zpp/comm/counters.py), per rank. DDP and FSDP2 do not go through
-a zpp transport; their bytes are the same model applied to what they send (DDP: one
-all-reduce of the gradients; FSDP2: forward and backward all-gather plus a reduce-scatter of
-every block and the root) and are marked "(model)". Peak RSS is the process maximum so far,
-so variants run in the given order and later ones cannot report less than earlier ones:
-run one variant per invocation to compare memory.
+* ``step_s``: wall time per step (after a barrier); ``fwd_bwd_s`` and ``opt_s`` split it into
+  forward plus backward and the optimizer step (DDP's all-reduce and FSDP2's reduce-scatter run
+  in backward; zpp stages 1-2 gather the updated parameters in the step).
+* ``inter_B/step``: bytes this rank sends to other nodes per step. zpp variants read the
+  transport's wire counters (direct-exchange model, [Note: what is counted] in
+  zpp/comm/counters.py); DDP, FSDP2 and DeepSpeed do not go through a zpp transport, so theirs
+  is that model applied to what they are designed to send, marked "(model)".
+* ``eth_tx_B/step``: bytes that really left each node on its link, measured by the kernel
+  (perf/trainlib.py); only inside ``zpp cluster``. This is the figure to compare across
+  libraries.
+* ``state_B``: zpp's model-state bytes on rank 0 (parameters, gradients, optimizer state).
+* ``peak_MiB``: the process's peak RSS. It only grows, so run one variant per process to
+  compare memory (perf/train_cluster.py does).
+
+DeepSpeed variants need ``deepspeed`` importable (``pip install deepspeed`` into a separate
+environment that sees this one's torch and zpp: see perf/BENCHMARKS.md); without it, and for
+whatever DeepSpeed cannot run on CPU, the row reports the error instead.
 """
 from __future__ import annotations
 
@@ -26,104 +38,118 @@ import resource
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import trainlib  # noqa: E402
+
+_ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": -1, "zero_quantized_gradients": True}
 VARIANTS = {
     "ddp": None, "fsdp2": None,
+    "deepspeed3": {"stage": 3}, "deepspeed3-zeropp": {"stage": 3, **_ZEROPP},
     "zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
     "zero3-qwz": {"stage": 3, "zero_quantized_weights": True},
     "zero3-hpz": {"stage": 3, "zero_hpz_partition_size": -1},  # -1: ranks per node
     "zero3-qgz": {"stage": 3, "zero_quantized_gradients": True},
-    "zero3-zeropp": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": -1,
-                     "zero_quantized_gradients": True},
+    "zero3-zeropp": {"stage": 3, **_ZEROPP},
 }
+DEFAULT_VARIANTS = [v for v in VARIANTS if not v.startswith("deepspeed")]
+LR = 1e-3
 
 
-def _model(args):
-    from tests.gpt import GPT, GPTConfig
+def _zero_section(name, t):
+    from zpp.comm.topology import topology_of
 
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block))
+    z = dict(VARIANTS[name])
+    if z.get("zero_hpz_partition_size") == -1:
+        z["zero_hpz_partition_size"] = topology_of(t).ranks_per_node
+    return z
 
 
-def _modelled_bytes(kind, psi, t):
-    """Inter/intra bytes per rank per step under the direct-exchange model."""
-    W, me = t.world_size, t.nodes[t.rank]
-    inter_peers = sum(1 for n in t.nodes if n != me)
-    intra_peers = W - 1 - inter_peers
-    m = 4 * psi
-    per_peer = 2 * m / W if kind == "ddp" else 3 * m / W  # all-reduce | 2 all-gathers + reduce-scatter
-    return inter_peers * per_peer, intra_peers * per_peer
+def _build(name, model, t, args):
+    """(callable net, backward(loss), step(), engine or None) for one variant."""
+    if name in ("ddp", "fsdp2"):
+        if name == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            net = DDP(model) if t.world_size > 1 else model
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for b in model.blocks:
+                fully_shard(b)
+            net = fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+        def opt_step():
+            opt.step()
+            opt.zero_grad()
+        return net, lambda loss: loss.backward(), opt_step, None
+    if name.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the default group zpp made
+        cfg = {"train_micro_batch_size_per_gpu": args.batch,
+               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+               "zero_optimization": _zero_section(name, t)}
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return eng, eng.backward, eng.step, None
+    import zpp.zero as zz
+
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+           "zero_optimization": _zero_section(name, t),
+           "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel}}
+    engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
+    return engine, engine.backward, engine.step, engine
 
 
 def _run_variant(t, name, args, data):
-    from zpp.comm.topology import topology_of
-    import zpp.zero as zz
-
-    model = _model(args)
+    model = trainlib.make_model(args)
     psi = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(t.rank)
-    engine = None
-    if name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        net = DDP(model) if t.world_size > 1 else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    elif name == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
-        net = model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    else:
-        z = dict(VARIANTS[name])
-        if z.get("zero_hpz_partition_size") == -1:
-            z["zero_hpz_partition_size"] = topology_of(t).ranks_per_node
-        cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": z,
-               "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel}}
-        engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
-        net = engine
+    net, backward, opt_step, engine = _build(name, model, t, args)
+    split = [0.0, 0.0]  # seconds in forward+backward, in the optimizer step
 
     def step():
         x, y = data.batch(args.batch, args.block, g)
+        t0 = time.perf_counter()
         loss = net(x, y)
-        if engine is not None:
-            engine.backward(loss)
-            engine.step()
-        else:
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        backward(loss)
+        t1 = time.perf_counter()
+        opt_step()
+        split[0] += t1 - t0
+        split[1] += time.perf_counter() - t1
         return loss.item()
 
     for _ in range(args.warmup):
         step()
     t.counters.reset()
     t.barrier()
+    split[:] = [0.0, 0.0]
+    eth0 = trainlib.eth_counters()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     t.barrier()
     dt = (time.perf_counter() - t0) / args.steps
-    row = {"variant": name, "params": psi, "step_s": dt, "loss": loss,
-           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    eth1 = trainlib.eth_counters()
+    snap = t.counters.snapshot()  # before the exchange of the link counters below
+    row = {"variant": name, "params": psi, "step_s": dt, "fwd_bwd_s": split[0] / args.steps,
+           "opt_s": split[1] / args.steps, "loss": loss,
+           **trainlib.node_eth_per_step(t, eth0, eth1, args.steps)}
     if engine is not None:
-        snap = t.counters.snapshot()
         row["inter_bytes"] = sum(s.inter_bytes for s in snap.values()) / args.steps
         row["intra_bytes"] = sum(s.intra_bytes for s in snap.values()) / args.steps
         row["model_state_bytes"] = sum(engine.model_state_bytes().values())
         row["bytes_source"] = "counters"
         engine.close()
     else:
-        row["inter_bytes"], row["intra_bytes"] = _modelled_bytes(name, psi, t)
+        kind = "ddp" if name == "ddp" else "fsdp"
+        row["inter_bytes"], row["intra_bytes"] = trainlib.modelled_bytes(kind, psi, t)
         row["bytes_source"] = "model"
         row["model_state_bytes"] = None
+    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row
 
 
@@ -135,85 +161,62 @@ def bench(t, args):
     for name in args.variants:
         try:
             rows.append(_run_variant(t, name, args, data))
-        except Exception as e:  # noqa: BLE001 - report and go on (e.g. FSDP2 on an old torch)
-            rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"})
+        except Exception as e:  # noqa: BLE001 - report and go on (DeepSpeed's CPU gaps)
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+            if t.world_size > 1 and name.startswith(("ddp", "fsdp", "deepspeed")):
+                break  # a failed foreign collective may leave the ranks out of step: stop here
     return rows
 
 
-def _print(rows, args, world, per_node):
-    print(f"# train_bench: world={world} ranks_per_node={per_node} steps={args.steps} "
-          f"GPT n_layer={args.n_layer} n_embd={args.n_embd} block={args.block} batch={args.batch}")
-    print(f"{'variant':<14}{'step_s':>9}{'inter_B/step':>14}{'intra_B/step':>14}"
-          f"{'state_B':>12}{'peak_MiB':>10}{'loss':>8}")
+def header(args, world, per_node):
+    return (f"# train_bench: world={world} ranks_per_node={per_node} warmup={args.warmup} "
+            f"steps={args.steps} GPT n_layer={args.n_layer} n_embd={args.n_embd} block={args.block} "
+            f"batch={args.batch}")
+
+
+def print_rows(rows):
+    print(f"{'variant':<18}{'step_s':>8}{'fwd_bwd_s':>10}{'opt_s':>7}{'inter_B/step':>14}"
+          f"{'eth_tx_B/step (node 0, 1)':>28}{'state_B':>11}{'peak_MiB':>9}{'loss':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<14} failed: {r['error']}")
+            print(f"{r['variant']:<18} failed: {r['error']}")
             continue
         mark = "" if r["bytes_source"] == "counters" else " (model)"
         state = "-" if r["model_state_bytes"] is None else f"{r['model_state_bytes']}"
-        print(f"{r['variant']:<14}{r['step_s']:>9.3f}{r['inter_bytes']:>14.0f}{r['intra_bytes']:>14.0f}"
-              f"{state:>12}{r['peak_rss_mib']:>10.0f}{r['loss']:>8.3f}{mark}")
+        print(f"{r['variant']:<18}{r['step_s']:>8.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_s']:>7.3f}"
+              f"{r['inter_bytes']:>14.0f}{trainlib.fmt_eth(r, 'eth_tx_bytes_per_node'):>28}{state:>11}"
+              f"{r['peak_rss_mib']:>9.0f}{r['loss']:>7.3f}{mark}")
 
 
 def _rank_main(t, args):
+    from zpp.comm.topology import topology_of
+
+    per_node = topology_of(t).ranks_per_node  # a collective the first time: every rank
     rows = bench(t, args)
     if t.rank == 0:
-        _print(rows, args, t.world_size, topology_ranks(t))
+        if rows and "params" in rows[0]:
+            print(header(args, t.world_size, per_node) + f" params={rows[0]['params']}")
+        print_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
-    return rows
 
 
-def topology_ranks(t):
-    from zpp.comm.topology import topology_of
-
-    return topology_of(t).ranks_per_node
-
-
-def _spawned(rank, world, per_node, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
-                      ZPP_RANKS_PER_NODE=str(per_node))
-    torch.set_num_threads(1)
-    from zpp.comm.registry import get_transport
-
-    _rank_main(get_transport("torch"), args)
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    trainlib.add_model_args(p, n_layer=4, n_embd=256, block=128, batch=4, steps=6, warmup=2)
+    p.add_argument("--unit-min-numel", type=int, default=100_000,
+                   help="zpp stage 3 unit size (Default: one unit per block + root)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, from {list(VARIANTS)}")
+    return p
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=4, help="ranks to spawn when not under torchrun")
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--block", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--unit-min-numel", type=int, default=100_000,
-                   help="zpp stage 3 unit size (Default: one unit per block + root)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--json", default=None)
+    p = parser()
     args = p.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in args.variants if v not in VARIANTS]
-    if bad:
-        p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
-    if "RANK" in os.environ:
-        from zpp.comm.registry import get_transport
-
-        _rank_main(get_transport("torch"), args)
-        return
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world, args.ranks_per_node, port, args), nprocs=args.world, join=True)
+    trainlib.parse_variants(p, args, VARIANTS)
+    trainlib.launch(_rank_main, args)
 
 
 if __name__ == "__main__":

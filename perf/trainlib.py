@@ -1,0 +1,134 @@
+"""What the training benchmarks (perf/train_bench.py, perf/onebit_train_bench.py) share:
+the model and data, rank launching, the modelled and the measured bytes per step.
+
+Measured bytes: inside ``zpp cluster`` every node is a network namespace whose only link to
+the other nodes is the interface ``zpp-eth``; its kernel counters (``/proc/net/dev``, seen
+per namespace) count what really crossed the node's link, frame headers included, whatever
+library sent it (torch DDP, FSDP2, DeepSpeed, zpp). ``/proc/net/snmp`` gives the TCP
+segments the node retransmitted: packets dropped at the shaped link are sent again and
+counted in the interface bytes again.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+NODE_IF = "zpp-eth"  # zpp.cluster.netns.NODE_IF, without importing the cluster package here
+
+
+def add_model_args(p: argparse.ArgumentParser, *, n_layer: int, n_embd: int, block: int, batch: int,
+                   steps: int, warmup: int) -> None:
+    """The GPT and run-length options both benchmarks take."""
+    p.add_argument("--world", type=int, default=4, help="ranks to spawn when not under a launcher")
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps, help="measured steps")
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--n-layer", type=int, default=n_layer)
+    p.add_argument("--n-embd", type=int, default=n_embd)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--block", type=int, default=block, help="sequence length")
+    p.add_argument("--batch", type=int, default=batch, help="sequences per rank per step")
+    p.add_argument("--json", default=None, help="write the rows here (rank 0)")
+
+
+def parse_variants(p: argparse.ArgumentParser, args: argparse.Namespace, known) -> None:
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in args.variants if v not in known]
+    if bad:
+        p.error(f"unknown variants {bad}; choose from {list(known)}")
+
+
+def make_model(args):
+    from tests.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block))
+
+
+def modelled_bytes(kind: str, psi: int, t) -> tuple[float, float]:
+    """Inter/intra-node bytes per rank per step under the transport counters' direct-exchange
+    model for a library that sends without a zpp transport: ``ddp`` one fp32 all-reduce of the
+    gradients, ``fsdp``/``deepspeed`` two all-gathers of the parameters and a reduce-scatter."""
+    W, me = t.world_size, t.nodes[t.rank]
+    inter_peers = sum(1 for n in t.nodes if n != me)
+    intra_peers = W - 1 - inter_peers
+    m = 4 * psi
+    per_peer = 2 * m / W if kind == "ddp" else 3 * m / W
+    return inter_peers * per_peer, intra_peers * per_peer
+
+
+def eth_counters(dev: str = NODE_IF) -> tuple[int, int, int] | None:
+    """(tx bytes, tx packets, TCP segments retransmitted) of ``dev`` and of TCP in this
+    process's network namespace, or None outside a namespace that has ``dev``."""
+    try:
+        with open("/proc/net/dev") as f:
+            rows = [rest.split() for name, _, rest in (line.partition(":") for line in f) if name.strip() == dev]
+        with open("/proc/net/snmp") as f:
+            tcp = [line.split()[1:] for line in f if line.startswith("Tcp:")]
+    except OSError:
+        return None
+    if not rows or len(tcp) < 2:
+        return None
+    retrans = int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
+    return int(rows[0][8]), int(rows[0][9]), retrans
+
+
+def node_eth_per_step(t, before, after, steps: int) -> dict:
+    """Every node's link counters per step, the same dict on every rank (a collective).
+    ``before``/``after`` are this rank's :func:`eth_counters`; the ranks of a node share one
+    namespace, so the first rank of each node reports for it. Empty outside ``zpp cluster``."""
+    eth = torch.full((3,), -1.0, dtype=torch.float64)
+    if before is not None and after is not None:
+        eth = torch.tensor([b - a for a, b in zip(before, after)], dtype=torch.float64) / steps
+    every = torch.empty(3 * t.world_size, dtype=torch.float64)
+    t.all_gather(every, eth)
+    every = every.view(t.world_size, 3)
+    first_of_node: dict[int, int] = {}
+    for r, n in enumerate(t.nodes):
+        first_of_node.setdefault(n, r)
+    nodes = [every[r].tolist() for _, r in sorted(first_of_node.items())]
+    if min(min(n) for n in nodes) < 0:
+        return {}
+    return {"eth_tx_bytes_per_node": [n[0] for n in nodes], "eth_tx_packets_per_node": [n[1] for n in nodes],
+            "tcp_retrans_per_node": [n[2] for n in nodes]}
+
+
+def fmt_eth(row: dict, key: str) -> str:
+    return ", ".join(f"{b:.0f}" for b in row[key]) if key in row else "-"
+
+
+def _spawned(rank, world, per_node, port, main, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                      ZPP_RANKS_PER_NODE=str(per_node))
+    run_rank(main, args)
+
+
+def run_rank(main, args):
+    """Run ``main(transport, args)`` on this rank's torch transport (one thread per rank:
+    the ranks share the cores)."""
+    torch.set_num_threads(1)
+    from zpp.comm.registry import get_transport
+
+    main(get_transport("torch"), args)
+
+
+def launch(main, args) -> None:
+    """Under a launcher (RANK set): run this rank. Alone: spawn ``args.world`` local ranks."""
+    if "RANK" in os.environ:
+        run_rank(main, args)
+        return
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(args.world, args.ranks_per_node, port, main, args), nprocs=args.world, join=True)
