@@ -130,14 +130,14 @@ def _elements(text: str) -> int:
 
 def _traffic(ob, es: int) -> dict[str, float]:
     """Modelled bytes each kernel reads plus writes for one call ([Note: 1-bit all-reduce]):
-    compress reads x and e and writes b into e, then rereads and rewrites e and writes the
-    signs; the weighted sum reads W chunks of signs and writes the average; the decode reads
-    all signs and writes x."""
+    the lazy compress reads x (the server: the average) and the buffer, writes the buffer
+    and the signs; the weighted sum reads W chunks of signs and writes the average; the
+    decode reads all signs and writes x."""
     n, P, c = ob.numel, ob.padded, ob.chunk
     return {
-        "compress(worker)": es * n + 16 * P + P / 8,
+        "compress(worker)": es * n + 8 * P + P / 8,
         "weighted_sum": P / 8 + 4 * c,
-        "compress(server)": 20 * c + c / 8,
+        "compress(server)": 12 * c + c / 8,
         "unpack": P / 8 + es * n,
     }
 
