@@ -9,8 +9,13 @@ per op, size and variant, the time, the link utilisation of the plain collective
 compressed variant's speedup over the plain one of the same run. The targets of the comm
 issue are checked and printed. Everything lands in ``perf/results/cluster_bench.json``.
 
-Link utilisation = busbw bytes (nccl-tests' bus bytes: what crosses each node's link under a
-ring) * 8 / time / rate.
+Link utilisation = the bytes that must cross each node's link * 8 / time / rate. For
+all-gather, reduce-scatter and all-reduce these are nccl-tests' bus bytes (what a ring sends
+over each link: (W-1)/W of the buffer, twice for all-reduce). For all-to-all every rank must
+send (W-R)/W of its buffer to the other nodes' ranks, R ranks per node share the link, so the
+link carries R(W-R)/W of the buffer, more than the bus bytes' (W-1)/W when there are several
+nodes (2 x 2: the whole buffer against 3/4 of it), and busbw-based utilisation could not
+exceed (W-1)/(R(W-R)) = 0.75 there; this one reaches 1.
 """
 from __future__ import annotations
 
@@ -49,13 +54,22 @@ def _bench(rate: str, backend: str, args, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def summarize(doc: dict, rate_bits: float) -> list[dict]:
+def link_factor(op: str, nodes: int, ranks_per_node: int) -> float:
+    """Bytes crossing a node's link per bus byte (see the module docstring)."""
+    W, R = nodes * ranks_per_node, ranks_per_node
+    if op == "all_to_all" and nodes > 1:
+        return R * (W - R) / (W - 1)
+    return 1.0
+
+
+def summarize(doc: dict, rate_bits: float, nodes: int = 2, ranks_per_node: int = 2) -> list[dict]:
     rows = doc["rows"]
     plain = {(r["op"], r["size"]): r for r in rows if r["compress"] == "none"}
     out = []
     for r in rows:
         p = plain.get((r["op"], r["size"]))
-        util = r["busbw"] * 1e9 * 8 / rate_bits if r["compress"] == "none" else None
+        util = (r["busbw"] * 1e9 * 8 / rate_bits * link_factor(r["op"], nodes, ranks_per_node)
+                if r["compress"] == "none" else None)
         speedup = p["time_us"] / r["time_us"] if p and r["compress"] != "none" else None
         out.append({"op": r["op"], "compress": r["compress"], "size": r["size"],
                     "time_s": r["time_us"] / 1e6, "util": util, "speedup": speedup,
@@ -102,7 +116,7 @@ def main(argv=None) -> int:
                 rate_bits = cluster.parse_rate(rate)
                 for backend in args.backends.split(","):
                     doc = _bench(rate, backend, args, Path(tmp))
-                    summary = summarize(doc, rate_bits)
+                    summary = summarize(doc, rate_bits, args.nodes, args.ranks_per_node)
                     record["runs"].append({"rate": rate, "backend": backend, "summary": summary,
                                            "bench": doc})
                     print(f"\n## {backend} at {rate} ({args.nodes} nodes x {args.ranks_per_node} ranks)")
