@@ -755,7 +755,9 @@ ZPP_API int zpp_unpack_signs(const uint8_t *packed, int64_t n, int dt, void *out
  * streaming passes with the arithmetic in AVX registers:
  *   onebit_compress: pass 1 reads x and e and writes b = x + e into e (12 bytes per fp32
  *     element), summing b^2 from L1 right behind; pass 2 reads and rewrites e and writes the
- *     signs (8.125 bytes per element). The scale needs all of pass 1, so two passes it is.
+ *     signs (8.125 bytes per element): the update needs the scale, which needs all of b.
+ *     The lazy form leaves that update to the next call, which applies it as it reads e in
+ *     its own pass 1 and packs the signs from L1 there: one pass, 12.125 bytes per element.
  *   signs_weighted_sum: reads k sign streams (k/8 bytes per output) and writes 4 bytes.
  *   unpack_scaled: reads 1/8 byte and writes one element (4 bytes fp32) per output; the
  *     caller may pass its final destination (OneBitAllReduce decodes into x).
