@@ -35,6 +35,23 @@ cancelled, so after a timeout the request and its buffers are kept alive (MPI ma
 write into them) and the transport refuses further calls: abort the job. Note that hydra's
 ``mpiexec`` kills the whole job when a rank *exits* without ``MPI_Finalize``; the timeout
 covers ranks that hang or finalize early.
+
+[Note: MPI ring reduce-scatter]
+MPICH's ``Ireduce_scatter_block`` reached only 0.68 of a 100 Mbit node link on an emulated
+2 nodes x 2 ranks (perf/BENCHMARKS.md). So "sum" and "mean" reduce_scatter run here on
+point-to-point messages instead (``$ZPP_MPI_RING=0`` returns to MPICH's):
+
+* fp32, fp64 and integers: a ring over the ranks in node order (one crossing into and one out
+  of each node), ``world_size - 1`` steps; each step sends a partial slice to the next rank,
+  receives one from the previous and adds this rank's own part, in the input dtype (integer
+  sums wrap). Each step's slice goes in pieces of about ``RING_PIECE_BYTES`` so that the next
+  step of one piece overlaps the transfer of the next piece. A rank sends ``(W - 1) / W`` of
+  the buffer; a node's link carries one slice per step each way. The additions run in ring
+  order, so float sums can differ from MPICH's in the last bits.
+* fp16 / bf16: an all-to-all of the 16-bit slices, then this rank sums the ``W`` slices in
+  fp32 and rounds once (after the division, for "mean"): half the bytes of the widened fp32
+  reduction, and the same single rounding.
+* bool, "max" and "min": MPICH's collective, as before.
 """
 from __future__ import annotations
 
@@ -54,6 +71,16 @@ CUDA_AWARE_ENV = "ZPP_MPI_CUDA_AWARE"
 DEFAULT_TIMEOUT_S = 300.0
 _HALF = (torch.float16, torch.bfloat16)
 _SPIN_POLLS = 200  # polls with sleep(0) before sleeping poll_interval_s
+#: "0" (or false/no/off) makes reduce_scatter use MPICH's own; see [Note: MPI ring reduce-scatter].
+RING_ENV = "ZPP_MPI_RING"
+#: The ring sends each step's slice in pieces of about this many bytes (at most RING_MAX_PIECES).
+RING_PIECE_BYTES = 64 << 10
+RING_MAX_PIECES = 64
+
+
+def ring_from_env(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``$ZPP_MPI_RING`` leaves the point-to-point reduce_scatter on (Default: on)."""
+    return env.get(RING_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _mpi():
@@ -92,6 +119,7 @@ class MpiTransport(Transport):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cuda_aware: bool = False,
         poll_interval_s: float = 1e-4,
+        ring: bool | None = None,
     ) -> None:
         MPI = _mpi()
         if timeout_s <= 0 or poll_interval_s < 0:
@@ -114,6 +142,7 @@ class MpiTransport(Transport):
         self.timeout_s = timeout_s
         self.cuda_aware = cuda_aware
         self.poll_interval_s = poll_interval_s
+        self.ring = ring_from_env() if ring is None else ring
         self._types = {
             torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
             torch.float16: MPI.UINT16_T, torch.bfloat16: MPI.UINT16_T,
@@ -187,6 +216,15 @@ class MpiTransport(Transport):
         mpi_op = self._op(op, inp.dtype)
         if out.numel() == 0:
             return
+        if self.ring and op in ("sum", "mean") and inp.dtype != torch.bool:
+            with self._staged((out,), (inp,)) as (o, i):
+                if i.dtype in _HALF:
+                    self._half_reduce_scatter(o, i, op)
+                    return
+                self._ring_reduce_scatter(o, i)
+                if op == "mean":
+                    o.div_(self.world_size)
+            return
         with self._staged((out,), (inp,)) as (o, i):
             wide_i, wide_o = _widen(i), _widen(o, copy=False)
             self._run(
@@ -198,6 +236,59 @@ class MpiTransport(Transport):
                 wide_o.div_(self.world_size)
             if wide_o is not o:
                 o.copy_(wide_o)
+
+    def _ring_reduce_scatter(self, o: torch.Tensor, i: torch.Tensor) -> None:
+        """``o`` = the sum over ranks of slice ``rank`` of ``i``, by a pipelined ring in node
+        order, in the input dtype; see [Note: MPI ring reduce-scatter]."""
+        n = self.world_size
+        order = sorted(range(n), key=lambda q: (self.nodes[q], q))
+        pos = order.index(self.rank)
+        nxt, prv = order[(pos + 1) % n], order[(pos - 1) % n]
+        rows = i.view(n, -1)
+        m = rows.shape[1]
+        pieces = max(1, min(RING_MAX_PIECES, -(-m * i.element_size() // RING_PIECE_BYTES), m))
+        cuts = [m * c // pieces for c in range(pieces + 1)]
+        spans = [slice(cuts[c], cuts[c + 1]) for c in range(pieces)]
+        # Step s of piece c receives the partial sum of slice order[pos - s - 2] into
+        # bufs[s % 3], adds this rank's part and sends it on as step s + 1; step 0 sends this
+        # rank's part of slice order[pos - 1]; the last step's sum is this rank's own slice.
+        # A buffer is received into again only after the send that read it has completed.
+        # Messages of one piece share a tag, and MPI matches a pair's messages in order.
+        bufs = [torch.empty(m, dtype=i.dtype) for _ in range(min(3, n - 1))]
+        keep = (o, i, *bufs)
+        sends: dict[tuple[int, int], Any] = {}
+        recvs: dict[tuple[int, int], Any] = {}
+        first = rows[order[(pos - 1) % n]]
+        for c, sp in enumerate(spans):
+            recvs[0, c] = self._start("reduce_scatter", lambda: self.comm.Irecv(self._buf(bufs[0][sp]), prv, c), keep)
+            sends[0, c] = self._start("reduce_scatter", lambda: self.comm.Isend(self._buf(first[sp]), nxt, c), keep)
+        for s in range(n - 1):
+            got, mine = bufs[s % len(bufs)], rows[order[(pos - s - 2) % n]]
+            nbuf = bufs[(s + 1) % len(bufs)]
+            for c, sp in enumerate(spans):
+                self._poll("reduce_scatter", recvs.pop((s, c)), keep)
+                if s == n - 2:
+                    torch.add(got[sp], mine[sp], out=o[sp])
+                    continue
+                got[sp].add_(mine[sp])
+                if (s - 1, c) in sends:
+                    self._poll("reduce_scatter", sends.pop((s - 1, c)), keep)
+                recvs[s + 1, c] = self._start("reduce_scatter",
+                                              lambda: self.comm.Irecv(self._buf(nbuf[sp]), prv, c), keep)
+                sends[s + 1, c] = self._start("reduce_scatter",
+                                              lambda: self.comm.Isend(self._buf(got[sp]), nxt, c), keep)
+        for req in sends.values():
+            self._poll("reduce_scatter", req, keep)
+
+    def _half_reduce_scatter(self, o: torch.Tensor, i: torch.Tensor, op: str) -> None:
+        """fp16 / bf16: all-to-all of the 16-bit slices, fp32 sum here, one rounding."""
+        n = self.world_size
+        got = torch.empty(n * o.numel(), dtype=i.dtype)
+        self._run("reduce_scatter", lambda: self.comm.Ialltoall(self._buf(i), self._buf(got)), (got, i))
+        total = got.view(n, -1).sum(0, dtype=torch.float32)
+        if op == "mean":
+            total.div_(n)
+        o.copy_(total)
 
     def _all_reduce(self, t: torch.Tensor, op: str) -> None:
         MPI = _mpi()
@@ -244,6 +335,7 @@ class MpiTransport(Transport):
             timeout_s=self.timeout_s,
             cuda_aware=self.cuda_aware,
             poll_interval_s=self.poll_interval_s,
+            ring=self.ring,
         )
 
     # ------------------------------------------------------------------ helpers
