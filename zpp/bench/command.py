@@ -18,6 +18,7 @@ import traceback
 
 from zpp.bench import launch as _launch
 from zpp.bench import plot
+from zpp.bench.argtypes import choice_list, integer, seconds, sizes_type
 from zpp.bench.config import (
     BACKENDS,
     COMPRESSIONS,
@@ -27,8 +28,8 @@ from zpp.bench.config import (
     VARIANT_NAMES,
     BenchConfig,
     applicable,
-    parse_sizes,
 )
+from zpp.bench.launch import close_world
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -37,79 +38,32 @@ _DEFAULT_NPROCS = 4
 _DEFAULT_RANKS_PER_NODE = 2
 
 
-def _choice_list(allowed: tuple[str, ...], what: str):
-    def parse(text: str) -> tuple[str, ...]:
-        if text == "all":
-            return allowed
-        values = tuple(v.strip() for v in text.split(","))
-        bad = [v for v in values if v not in allowed]
-        if bad or len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: {'unknown ' + what + ' ' + ', '.join(map(repr, bad)) if bad else 'repeated'}; "
-                f"choose from {', '.join(allowed)}, all (or a comma list)"
-            )
-        return values
-    parse.__name__ = what  # argparse names the type in some messages
-    return parse
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        return parse_sizes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _integer(minimum: int, even: bool = False):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum or (even and value % 2):
-            kind = "a positive even integer" if even else f"an integer >= {minimum}"
-            raise argparse.ArgumentTypeError(f"{text!r} must be {kind}")
-        return value
-    parse.__name__ = "integer"
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", type=_choice_list(OPS, "op"), default="all",
+    p.add_argument("--op", type=choice_list(OPS, "op"), default="all",
                    help=f"{'|'.join(OPS)}|all, or a comma list (default: all)")
-    p.add_argument("--compress", type=_choice_list(COMPRESSIONS, "compression"), default="all",
+    p.add_argument("--compress", type=choice_list(COMPRESSIONS, "compression"), default="all",
                    help="none|int8|int4|1bit|all, or a comma list; those that do not apply to an op "
                         "are skipped (default: all)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="default: mpi under mpiexec/mpirun, else torch (gloo when spawning)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
-    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+    p.add_argument("--sizes", type=sizes_type, default=DEFAULT_SIZES,
                    help=f"logical bytes per call: MIN:MAX[:FACTOR], a comma list or one size, "
                         f"suffixes K M G (default: {DEFAULT_SIZES})")
-    p.add_argument("--warmup", type=_integer(0), default=5, help="untimed calls per size (default: 5)")
-    p.add_argument("--iters", type=_integer(1), default=20,
+    p.add_argument("--warmup", type=integer(0), default=5, help="untimed calls per size (default: 5)")
+    p.add_argument("--iters", type=integer(1), default=20,
                    help="timed calls per size, fewer above 1 MiB (default: 20)")
     p.add_argument("--json", metavar="FILE", help="write every row and the header as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size (needs matplotlib)")
-    p.add_argument("--nprocs", type=_integer(1), default=None,
+    p.add_argument("--nprocs", type=integer(1), default=None,
                    help=f"local ranks to spawn when started alone (default: {_DEFAULT_NPROCS})")
-    p.add_argument("--ranks-per-node", type=_integer(1), default=None,
+    p.add_argument("--ranks-per-node", type=integer(1), default=None,
                    help=f"ranks per (emulated) node; spawning: default {_DEFAULT_RANKS_PER_NODE} "
                         f"(1 for an odd --nprocs); under a launcher: what it reports")
-    p.add_argument("--group-size", type=_integer(2, even=True), default=2048,
+    p.add_argument("--group-size", type=integer(2, even=True), default=2048,
                    help="elements per int8/int4 quantization group (default: 2048)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default: 0)")
-    p.add_argument("--timeout", type=_seconds, default=600.0,
+    p.add_argument("--timeout", type=seconds, default=600.0,
                    help="hard limit in seconds when spawning ranks (default: 600)")
 
 
@@ -230,21 +184,9 @@ def run_rank(cfg: BenchConfig, backend: str, outputs: tuple[str | None, str | No
             return 1
         return 0
     finally:
-        _close(world)
+        close_world(world)
 
 
 def _progress(text: str) -> None:
     sys.stderr.write(f"\r\033[K[zpp bench] {text}")
     sys.stderr.flush()
-
-
-def _close(world) -> None:
-    """Release the world this run created (torch: the default process group)."""
-    close = getattr(world, "close", None)
-    if callable(close):
-        close()
-        return
-    import torch.distributed as dist
-
-    if getattr(world, "name", None) == "torch" and dist.is_initialized():
-        dist.destroy_process_group()

@@ -277,3 +277,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def close_world(world) -> None:
+    """Release a world a command created: its ``close()``, else (torch) the default process group."""
+    close = getattr(world, "close", None)
+    if callable(close):
+        close()
+        return
+    import torch.distributed as dist
+
+    if getattr(world, "name", None) == "torch" and dist.is_initialized():
+        dist.destroy_process_group()

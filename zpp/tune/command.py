@@ -33,7 +33,8 @@ import tempfile
 import traceback
 
 from zpp.bench import launch as _launch
-from zpp.bench.command import _choice_list, _integer, _seconds, _sizes
+from zpp.bench.argtypes import choice_list, integer, seconds, sizes_type
+from zpp.bench.launch import close_world
 from zpp.bench.config import BACKENDS, DTYPES, BenchConfig
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -57,11 +58,11 @@ def _max_error(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", type=_choice_list(BACKENDS, "backend"), default=None,
+    p.add_argument("--backends", type=choice_list(BACKENDS, "backend"), default=None,
                    help="torch,mpi or one of them (default: both; mpi only where mpi4py and mpiexec are)")
-    p.add_argument("--ops", type=_choice_list(TUNE_OPS, "op"), default=TUNE_OPS,
+    p.add_argument("--ops", type=choice_list(TUNE_OPS, "op"), default=TUNE_OPS,
                    help=f"{','.join(TUNE_OPS)} or a part of it (default: all)")
-    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+    p.add_argument("--sizes", type=sizes_type, default=DEFAULT_SIZES,
                    help=f"logical bytes per call to measure: MIN:MAX[:FACTOR] or a comma list, suffixes "
                         f"K M G (default: {DEFAULT_SIZES})")
     p.add_argument("--max-error", type=_max_error, default=0.01,
@@ -70,21 +71,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-1bit", action="store_true",
                    help="let all_reduce choose 1bit (error feedback across steps; its one-call error "
                         "is not checked against --max-error)")
-    p.add_argument("--nprocs", type=_integer(1), default=None,
+    p.add_argument("--nprocs", type=integer(1), default=None,
                    help=f"ranks (default: {_DEFAULT_NPROCS} local; --cluster: every node)")
-    p.add_argument("--ranks-per-node", type=_integer(1), default=None,
+    p.add_argument("--ranks-per-node", type=integer(1), default=None,
                    help=f"ranks per (emulated) node (default: {_DEFAULT_RANKS_PER_NODE}, 1 for an odd "
                         f"--nprocs; --cluster: 1)")
     p.add_argument("--cluster", action="store_true",
                    help="run each backend's sweep on the live emulated cluster (`zpp cluster run`)")
     p.add_argument("--out", metavar="FILE", default=DEFAULT_OUT, help=f"the plan (default: {DEFAULT_OUT})")
-    p.add_argument("--iters", type=_integer(1), default=10,
+    p.add_argument("--iters", type=integer(1), default=10,
                    help="timed calls per size, fewer above 1 MiB (default: 10)")
-    p.add_argument("--warmup", type=_integer(0), default=3, help="untimed calls per size (default: 3)")
+    p.add_argument("--warmup", type=integer(0), default=3, help="untimed calls per size (default: 3)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
-    p.add_argument("--group-size", type=_integer(2, even=True), default=2048,
+    p.add_argument("--group-size", type=integer(2, even=True), default=2048,
                    help="elements per int8/int4 quantization group (default: 2048)")
-    p.add_argument("--timeout", type=_seconds, default=600.0,
+    p.add_argument("--timeout", type=seconds, default=600.0,
                    help="hard limit in seconds for each backend's sweep (default: 600)")
 
 
@@ -269,18 +270,7 @@ def _sweep(cfg: BenchConfig, backend: str, json_path: str | None):
             write_json(json_path, meta, rows)
         return meta, [dataclasses.asdict(r) for r in rows]
     finally:
-        _close(world)
-
-
-def _close(world) -> None:
-    close = getattr(world, "close", None)
-    if callable(close):
-        close()
-        return
-    import torch.distributed as dist
-
-    if getattr(world, "name", None) == "torch" and dist.is_initialized():
-        dist.destroy_process_group()
+        close_world(world)
 
 
 # ---------------------------------------------------------------------------- launched
