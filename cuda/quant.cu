@@ -26,9 +26,9 @@
 //     group (vector loads/stores where aligned), keeps up to CACHE chunks in registers between
 //     the statistics pass and the encode pass (more are re-read), and the statistics are
 //     reduced with warp shuffles and one shared-memory step;
-//   * elementwise kernels (zq_dequant_sum, zq_pack_signs, zq_unpack_scaled, zq_signs_weighted_sum,
-//     zq_onebit_apply) run one thread per chunk of 8 elements (one packed byte of signs);
-//   * zq_onebit_sumsq runs one block of threads per ZQ_SUMSQ_THREADS / lanes blocks of elements.
+//   * elementwise kernels (zq_dequant_sum, zq_pack_signs, zq_unpack_scaled, zq_signs_weighted_sum)
+//     run one thread per chunk of 8 elements (one packed byte of signs);
+//   * zq_onebit_sumsq runs one block of threads per ZQ_SUMSQ_BLOCK elements.
 // Element indices are 64-bit. group_size must be even (int4 packs element pairs of a group).
 
 #define ZQ_FULL_MASK 0xffffffffu
@@ -56,6 +56,10 @@ __device__ __forceinline__ bool zq_isfinite(float f) {
     return (__float_as_uint(f) & 0x7f800000u) != 0x7f800000u;
 }
 __device__ __forceinline__ float zq_nan() { return __uint_as_float(0x7fc00000u); }
+
+// Global index of this thread in a 1-D grid (elementwise kernels: the byte of signs, or the
+// chunk of 8 elements, it handles).
+__device__ __forceinline__ long long zq_thread_index() { return (long long)blockIdx.x * blockDim.x + threadIdx.x; }
 
 // Elements that exist in [e0, e0 + cnt) of a tensor of numel elements: clamp(numel - e0, 0, cnt).
 __device__ __forceinline__ int zq_count(long long e0, int cnt, long long numel) {
@@ -590,7 +594,7 @@ __global__ void __launch_bounds__(256) zq_dequant_sum(const unsigned char* __res
                                                       const float* __restrict__ scales, long long n, int k,
                                                       int group_size, int bits, int sym, int vec, int has_div,
                                                       float div, T* __restrict__ out) {
-    const long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    const long long i0 = zq_thread_index() * 8;
     if (i0 >= n) return;
     const int nv = zq_count(i0, 8, n);
     const ZqSumLoader ld{data, scales, n, k, group_size, bits, sym, vec, has_div, div};
@@ -613,47 +617,72 @@ __device__ __forceinline__ unsigned zq_sign_byte(const float v[8], int nv, unsig
     return byte;
 }
 
+// The error a lazy 1-bit error buffer value stands for (the value itself when !has_pending).
+__device__ __forceinline__ float zq_settled(float buf, int has_pending, float pending) {
+    return has_pending ? __fsub_rn(buf, buf >= 0.0f ? pending : -pending) : buf;
+}
+
 // v[m] = +s where bit m of byte is set, else -s: the reference's sign * s, which is exact.
 __device__ __forceinline__ void zq_signed8(unsigned byte, float s, float v[8]) {
 #pragma unroll
     for (int m = 0; m < 8; ++m) v[m] = ((byte >> m) & 1u) ? s : -s;
 }
 
-// Byte b of out: bit j set where x[8b + j] >= 0. One thread per byte.
+// Byte b of packed: bit m set where v = x[8b + m] (+ e[8b + m] when err is given) >= 0
+// (-0.0 -> 1, NaN -> 0) for positions below numel, pad for those in [numel, nbits). With err
+// (onebit_compress's last pass), e = zq_settled(err), and below numel err becomes
+// v - (v >= 0 ? scale[0] : -scale[0]), or v itself when has_pending (lazy).
+// vec: x and err are 16-byte aligned. One thread per byte of nbits / 8.
 template <typename T>
-__global__ void __launch_bounds__(256) zq_pack_signs(const T* __restrict__ x, long long numel, int vec,
-                                                     unsigned char* __restrict__ out) {
-    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+__global__ void __launch_bounds__(256) zq_pack_signs(const T* __restrict__ x, float* __restrict__ err,
+                                                     const float* __restrict__ scale, int has_pending,
+                                                     float pending, long long numel, long long nbits,
+                                                     unsigned pad, int vec, unsigned char* __restrict__ packed) {
+    const long long b = zq_thread_index();
     const long long e0 = b * 8;
-    if (e0 >= numel) return;
+    if (e0 >= nbits) return;
     const int nv = zq_count(e0, 8, numel);
     float v[8];
-    ZqFlatLoader<T>{x, vec}.load(e0, nv, v);
-    out[b] = (unsigned char)zq_sign_byte(v, nv, 0u);
+    if (nv > 0) {
+        ZqFlatLoader<T>{x, vec}.load(e0, nv, v);
+        if (err) {
+            float ev[8];
+            ZqFlatLoader<float>{err, vec}.load(e0, nv, ev);
+            const float s = has_pending ? 0.0f : scale[0];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                v[m] = __fadd_rn(v[m], zq_settled(ev[m], has_pending, pending));
+                ev[m] = has_pending ? v[m] : __fsub_rn(v[m], v[m] >= 0.0f ? s : -s);
+            }
+            zq_store_chunk(err, e0, nv, ev, vec);
+        }
+    }
+    packed[b] = (unsigned char)zq_sign_byte(v, nv, pad);
 }
 
 // out[e] = scales[e / chunk] * sign(bit e of packed), e < numel (chunk % 8 == 0, so a byte lies in
-// one chunk). scales == nullptr: +-1 (unpack_signs). One thread per byte.
+// one chunk). scales == nullptr: +-1 (unpack_signs). vec: out is 16-byte aligned. One thread per
+// byte.
 template <typename T>
 __global__ void __launch_bounds__(256) zq_unpack_scaled(const unsigned char* __restrict__ packed,
                                                         const float* __restrict__ scales, long long chunk,
-                                                        long long numel, T* __restrict__ out) {
-    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+                                                        long long numel, int vec, T* __restrict__ out) {
+    const long long b = zq_thread_index();
     const long long e0 = b * 8;
     if (e0 >= numel) return;
     float v[8];
     zq_signed8(packed[b], scales ? scales[e0 / chunk] : 1.0f, v);
-    zq_store_chunk(out, e0, zq_count(e0, 8, numel), v);
+    zq_store_chunk(out, e0, zq_count(e0, 8, numel), v, vec);
 }
 
 // out[t] = (sum_r scales[r] * sign_r[t], r = 0 first, each step rounded to fp32) / div when
 // has_div, for t < chunk (chunk % 8 == 0); sign vector r is bytes [r * chunk / 8, (r + 1) * chunk / 8)
-// of packed. One thread per byte of a sign vector (8 outputs).
+// of packed. vec: out is 16-byte aligned. One thread per byte of a sign vector (8 outputs).
 __global__ void __launch_bounds__(256) zq_signs_weighted_sum(const unsigned char* __restrict__ packed,
                                                              const float* __restrict__ scales, int k,
                                                              long long chunk, int has_div, float div,
-                                                             float* __restrict__ out) {
-    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+                                                             int vec, float* __restrict__ out) {
+    const long long b = zq_thread_index();
     const long long nbytes = chunk >> 3;
     if (b >= nbytes) return;
     float v[8], t[8];
@@ -667,115 +696,97 @@ __global__ void __launch_bounds__(256) zq_signs_weighted_sum(const unsigned char
 #pragma unroll
         for (int m = 0; m < 8; ++m) v[m] = __fdiv_rn(v[m], div);
     }
-    zq_store_chunk(out, 8 * b, 8, v);
+    zq_store_chunk(out, 8 * b, 8, v, vec);
 }
 
 // onebit_compress runs three kernels on one stream:
-//   1. zq_onebit_sumsq: per block of block_elems elements, the fp64 sum of squares of b = x + e
-//      in the documented order (below) -> partials[block];
-//   2. zq_onebit_scale: partials added in block order -> scale = sqrt(sum / numel) as fp32;
-//   3. zq_onebit_apply: b again (recomputing it reads x and e once more, which costs no more
-//      than writing b in pass 1 and reading it back, and less for 16-bit x), the sign bits,
-//      e = b - (b >= 0 ? scale : -scale) for positions < numel.
+//   1. zq_onebit_sumsq: per block of ZQ_SUMSQ_BLOCK elements, the fp64 sum of b^2, b = x + e,
+//      by a halving tree -> partials[block];
+//   2. zq_onebit_scale: the block sums by a halving tree -> scale = sqrt(sum / numel) as fp32;
+//   3. zq_pack_signs with err: b again (recomputing it reads x and e once more, which costs no
+//      more than writing b in pass 1 and reading it back, and less for 16-bit x), the sign bits,
+//      and e = b - (b >= 0 ? scale : -scale) below numel (or e = b when lazy, below).
+// Lazy (has_pending, [Note: 1-bit kernels]): the buffer holds the previous b, whose scale was
+// pending: e = buf - (buf >= 0 ? pending : -pending) first (zq_settled), and pass 3 stores b.
 //
-// Order of the sum of squares (exact products: a float squared fits a double's mantissa; the
-// oracle's order, [Note: 1-bit kernels]): the elements are cut into blocks of block_elems; in a
-// block, lane l (of lanes) adds the squares at block offsets l, l + lanes, l + 2 * lanes, ... in
-// that order, starting from +0.0; the lanes are then combined pairwise (tree: lane[l] +=
-// lane[l + h] for h = lanes / 2, lanes / 4, ..., 1) or left to right (!tree); the blocks' sums
-// are added in block order, starting from +0.0. Elements past numel are skipped, which is the
-// same as adding +0.0 (no partial sum is -0.0). Every add and multiply is an explicit
-// round-to-nearest intrinsic: never contracted into an FMA.
-//
-// zq_onebit_sumsq: blockDim.x (a multiple of lanes and of 32, at most ZQ_SUMSQ_THREADS) threads
-// cover blockDim.x / lanes element blocks, lanes threads each; lanes is a power of two.
+// Order of the sum of squares: the oracle's (_sum_squares in zpp/quant/reference.py). b^2 is
+// exact in fp64. Each block of ZQ_SUMSQ_BLOCK elements (zero-padded) is summed by halving:
+// q[i] += q[i + h] for h = BLOCK / 2, ..., 1. Thread t holds the ZQ_SUMSQ_PER elements t + m *
+// ZQ_SUMSQ_THREADS; the levels h >= ZQ_SUMSQ_THREADS pair elements of the same thread (a
+// halving over m in registers), the rest pair threads (shared memory, then warp shuffles). The
+// block sums, zero-padded to a power of two, are summed by halving the same way. Adding a
+// padding zero changes nothing (no partial sum is -0.0), so padding is skipped. Every add and
+// multiply is an explicit round-to-nearest intrinsic: never contracted into an FMA.
 #define ZQ_SUMSQ_THREADS 256
+#define ZQ_SUMSQ_PER 8
+#define ZQ_SUMSQ_BLOCK (ZQ_SUMSQ_THREADS * ZQ_SUMSQ_PER)
+
+// Halving sum over the ZQ_SUMSQ_THREADS threads of the block (levels h = THREADS / 2, ..., 1);
+// thread 0 gets the result.
+__device__ __forceinline__ double zq_halving_threads(double acc) {
+    __shared__ double s_acc[ZQ_SUMSQ_THREADS];
+    const int t = threadIdx.x;
+    for (int h = ZQ_SUMSQ_THREADS >> 1; h >= 32; h >>= 1) {  // across warps
+        s_acc[t] = acc;
+        __syncthreads();
+        if (t < h) acc = __dadd_rn(acc, s_acc[t + h]);
+        __syncthreads();
+    }
+    for (int h = 16; h >= 1; h >>= 1) {  // in a warp: lane t reads t + h
+        const double o = __shfl_down_sync(ZQ_FULL_MASK, acc, h);
+        if (t < h) acc = __dadd_rn(acc, o);
+    }
+    return acc;
+}
+
+// partials[blockIdx.x] = halving sum of b^2 over the block's ZQ_SUMSQ_BLOCK elements.
+// blockDim.x == ZQ_SUMSQ_THREADS.
 template <typename T>
 __global__ void __launch_bounds__(ZQ_SUMSQ_THREADS) zq_onebit_sumsq(const T* __restrict__ x,
                                                                     const float* __restrict__ err,
-                                                                    long long numel, int block_elems,
-                                                                    int lanes, int tree,
+                                                                    long long numel, int has_pending,
+                                                                    float pending,
                                                                     double* __restrict__ partials) {
-    __shared__ double s_lane[ZQ_SUMSQ_THREADS];
+    const long long first = (long long)blockIdx.x * ZQ_SUMSQ_BLOCK + threadIdx.x;
+    double q[ZQ_SUMSQ_PER];
+#pragma unroll
+    for (int m = 0; m < ZQ_SUMSQ_PER; ++m) {
+        const long long e = first + (long long)m * ZQ_SUMSQ_THREADS;
+        float b = 0.0f;
+        if (e < numel) b = __fadd_rn(ZqType<T>::to_f(x[e]), zq_settled(err[e], has_pending, pending));
+        q[m] = __dmul_rn((double)b, (double)b);
+    }
+#pragma unroll
+    for (int h = ZQ_SUMSQ_PER >> 1; h >= 1; h >>= 1)
+#pragma unroll
+        for (int m = 0; m < h; ++m) q[m] = __dadd_rn(q[m], q[m + h]);
+    const double sum = zq_halving_threads(q[0]);
+    if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+// One block of ZQ_SUMSQ_THREADS: partials[0] = halving sum of partials[0 .. nparts) (in place),
+// scale[0] = sqrt(partials[0] / numel) as fp32 (0 when numel is 0; the canonical NaN for NaN).
+// Levels h >= ZQ_SUMSQ_THREADS pair i and i + h of one thread (i = t mod THREADS); the rest
+// pair threads, with a barrier between levels.
+__global__ void __launch_bounds__(ZQ_SUMSQ_THREADS) zq_onebit_scale(double* __restrict__ partials, long long nparts,
+                                                                    long long numel, float* __restrict__ scale) {
     const int t = threadIdx.x;
-    const int l = t & (lanes - 1);
-    const long long blk = (long long)blockIdx.x * (blockDim.x / lanes) + t / lanes;
-    const long long first = blk * block_elems;
-    const long long end = first + block_elems < numel ? first + block_elems : numel;
-    double acc = 0.0;
-    long long e = first + l;
-    // Eight loads in flight ahead of the dependent chain of adds.
-    for (; e + 7LL * lanes < end; e += 8LL * lanes) {
-        float b[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) b[m] = __fadd_rn(ZqType<T>::to_f(x[e + m * lanes]), err[e + m * lanes]);
-#pragma unroll
-        for (int m = 0; m < 8; ++m) acc = __dadd_rn(acc, __dmul_rn((double)b[m], (double)b[m]));
-    }
-    for (; e < end; e += lanes) {
-        const float b = __fadd_rn(ZqType<T>::to_f(x[e]), err[e]);
-        acc = __dadd_rn(acc, __dmul_rn((double)b, (double)b));
-    }
-    if (tree) {
-        for (int h = lanes >> 1; h >= 32; h >>= 1) {  // across warps: shared memory
-            s_lane[t] = acc;
-            __syncthreads();
-            if (l < h) acc = __dadd_rn(acc, s_lane[t + h]);
-            __syncthreads();
-        }
-        for (int h = zq_imin(lanes >> 1, 16); h >= 1; h >>= 1) {  // in a warp: lane l reads l + h
-            const double o = __shfl_down_sync(ZQ_FULL_MASK, acc, h);
-            if (l < h) acc = __dadd_rn(acc, o);
-        }
-    } else if (lanes > 1) {
-        s_lane[t] = acc;
+    long long p2 = 1;
+    while (p2 < nparts) p2 <<= 1;
+    long long h = p2 >> 1;
+    for (; h >= ZQ_SUMSQ_THREADS; h >>= 1)
+        for (long long i = t; i < h && i + h < nparts; i += ZQ_SUMSQ_THREADS)
+            partials[i] = __dadd_rn(partials[i], partials[i + h]);
+    __syncthreads();
+    for (; h >= 1; h >>= 1) {
+        if (t < h && t + h < nparts) partials[t] = __dadd_rn(partials[t], partials[t + h]);
         __syncthreads();
-        if (l == 0)
-            for (int j = 1; j < lanes; ++j) acc = __dadd_rn(acc, s_lane[t + j]);
     }
-    if (l == 0 && first < numel) partials[blk] = acc;
-}
-
-// One thread: sum = partials[0] + ... + partials[nparts - 1], in order, stored in partials[nparts]
-// (tests read it); scale[0] = sqrt(sum / numel) as fp32 (0 when numel is 0; the canonical NaN
-// when the sum is NaN).
-__global__ void __launch_bounds__(32) zq_onebit_scale(double* __restrict__ partials, long long nparts,
-                                                      long long numel, float* __restrict__ scale) {
-    if (threadIdx.x != 0) return;
-    double sum = 0.0;
-#pragma unroll 8
-    for (long long i = 0; i < nparts; ++i) sum = __dadd_rn(sum, partials[i]);
-    partials[nparts] = sum;
-    const float s = numel > 0 ? __double2float_rn(__dsqrt_rn(__ddiv_rn(sum, (double)numel))) : 0.0f;
-    scale[0] = ZqType<float>::from_f(s);
-}
-
-// Byte b of packed: the sign bits of b = x + e at positions [8b, 8b + 8) (1 past numel), and
-// e = b - (b >= 0 ? scale : -scale) at those below numel. One thread per byte of nerr / 8.
-// vec: x and err are 16-byte aligned.
-template <typename T>
-__global__ void __launch_bounds__(256) zq_onebit_apply(const T* __restrict__ x, float* __restrict__ err,
-                                                       long long numel, long long nerr, int vec,
-                                                       const float* __restrict__ scale,
-                                                       unsigned char* __restrict__ packed) {
-    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long e0 = b * 8;
-    if (e0 >= nerr) return;
-    const int nv = zq_count(e0, 8, numel);
-    float v[8];
-    if (nv > 0) {
-        float ev[8];
-        ZqFlatLoader<T>{x, vec}.load(e0, nv, v);
-        ZqFlatLoader<float>{err, vec}.load(e0, nv, ev);
-        const float s = scale[0];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            v[m] = __fadd_rn(v[m], ev[m]);
-            ev[m] = __fsub_rn(v[m], v[m] >= 0.0f ? s : -s);
-        }
-        zq_store_chunk(err, e0, nv, ev, vec);
+    if (t == 0) {
+        const double sum = nparts > 0 ? partials[0] : 0.0;
+        const float s = numel > 0 ? __double2float_rn(__dsqrt_rn(__ddiv_rn(sum, (double)numel))) : 0.0f;
+        scale[0] = ZqType<float>::from_f(s);
     }
-    packed[b] = (unsigned char)zq_sign_byte(v, nv, 1u);
 }
 
 #ifdef ZPP_NVCC_CHECK
@@ -785,8 +796,7 @@ __global__ void __launch_bounds__(256) zq_onebit_apply(const T* __restrict__ x, 
     (const void*)&zq_quantize<T, 1>, (const void*)&zq_quantize<T, 4>,                         \
         (const void*)&zq_swizzle_quantize<T, 1>, (const void*)&zq_swizzle_quantize<T, 4>,     \
         (const void*)&zq_dequant_sum<T>, (const void*)&zq_pack_signs<T>,                      \
-        (const void*)&zq_unpack_scaled<T>, (const void*)&zq_onebit_sumsq<T>,                  \
-        (const void*)&zq_onebit_apply<T>
+        (const void*)&zq_unpack_scaled<T>, (const void*)&zq_onebit_sumsq<T>
 extern const void* const zq_nvcc_instances[];
 const void* const zq_nvcc_instances[] = {
     ZQ_INSTANCES_FOR(float), ZQ_INSTANCES_FOR(zq_half), ZQ_INSTANCES_FOR(zq_bf16),

@@ -418,43 +418,19 @@ def test_dispatch_picks_cuda(monkeypatch):
 
 # -- 1-bit error feedback ([Note: 1-bit kernels] in zpp/quant/reference.py) -------------------
 
-def _blocked_sumsq(b: torch.Tensor, block: int, lanes: int, tree: bool) -> tuple[torch.Tensor, float]:
-    """The fp64 sum of squares of b (fp32, CPU) in the blocked order of cuda/quant.cu's
-    zq_onebit_sumsq, in plain torch: (block sums, their total added in block order)."""
-    sq = b.double().square()  # exact: a float squared fits a double
-    n = sq.numel()
-    nparts = -(-n // block)
-    sq = torch.cat([sq, torch.zeros(nparts * block - n, dtype=torch.float64)])
-    sq = sq.view(nparts, block // lanes, lanes)
-    acc = torch.zeros(nparts, lanes, dtype=torch.float64)
-    for j in range(block // lanes):  # lane l: offsets l, l + lanes, ... in order
-        acc = acc + sq[:, j, :]
-    if tree:
-        while acc.shape[1] > 1:
-            h = acc.shape[1] // 2
-            acc = acc[:, :h] + acc[:, h:]
-        parts = acc[:, 0]
-    else:
-        parts = acc[:, 0].clone()
-        for j in range(1, lanes):
-            parts = parts + acc[:, j]
-    total = 0.0
-    for p in parts.tolist():  # Python floats: one IEEE double add at a time, in order
-        total += p
-    return parts, total
-
-
 ONEBIT_CASES = [
     # (numel, zero padding of the error buffer, offset of x in elements, offset of the error buffer)
     (0, 8, 0, 0),
     (1, 7, 0, 0),
     (13, 3, 1, 0),
     (1000, 0, 0, 0),
-    (16384, 0, 0, 0),  # exactly one block of the sum of squares
+    (2048, 0, 0, 0),  # exactly one block of the sum of squares
+    (2049, 7, 0, 0),
+    (16384 * 4, 0, 0, 0),  # 32 blocks: a power of two
     (16385, 7, 0, 0),
     (40001, 7, 0, 1),  # misaligned error buffer: scalar paths
     (70000, 16, 3, 0),
-    (3 * 16384 + 5, 3, 0, 0),
+    (300 * 2048 + 5, 3, 0, 0),  # 301 blocks: the tree over block sums runs across threads and within them
 ]
 
 
@@ -472,38 +448,46 @@ def _onebit_inputs(numel: int, pad: int, dtype: torch.dtype, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("numel,pad,xoff,eoff", ONEBIT_CASES)
-def test_onebit_compress(K, poisoned, dtype, numel, pad, xoff, eoff):
+@pytest.mark.parametrize("pending", (None, 0.37), ids=("eager", "lazy"))
+def test_onebit_compress(K, poisoned, dtype, numel, pad, xoff, eoff, pending):
     from zpp.quant import cuda
 
+    assert cuda._SUMSQ_BLOCK == reference._SUMSQ_BLOCK
     x, err0 = _onebit_inputs(numel, pad, dtype, seed=numel + pad)
     e_ref = err0.clone()
-    p_ref, s_ref = reference.onebit_compress(x, e_ref, numel)
-    b = x.float() + err0[:numel]
-    parts, total = _blocked_sumsq(b, cuda._SUMSQ_BLOCK, cuda._SUMSQ_LANES, cuda._SUMSQ_TREE)
-    s_want = torch.tensor([(total / numel) ** 0.5 if numel else 0.0], dtype=torch.float32)
+    p_ref, s_ref = reference.onebit_compress(x, e_ref, numel, pending=pending)
+    e_settled = err0[:numel] if pending is None else reference.settle(err0, numel, pending)
+    sumsq = reference._sum_squares(x.float() + e_settled) if numel else None
     xc = _cuda(x, xoff)
     buffers = []
 
     def run():
         e = _cuda(err0, eoff)
         buffers.append(e)
-        return K._onebit_compress(xc, e, numel)
+        return K._onebit_compress(xc, e, numel, pending=pending)
 
-    for i, (packed, scale, partials) in enumerate(poisoned(run)):
-        e = buffers[i]
+    for i, (packed, scale, scratch) in enumerate(poisoned(run)):
         assert_bits(packed, p_ref, f"onebit packed run {i}")
-        # the documented order, bit for bit: every block sum, their total, the scale
-        assert_bits(partials, torch.cat([parts, torch.tensor([total], dtype=torch.float64)]),
-                    f"onebit block sums run {i}")
-        assert_bits(scale, s_want, f"onebit scale run {i}")
-        # the error with that scale, as the reference computes it
-        e_want = err0.clone()
-        e_want[:numel] = b - torch.where(b >= 0, s_want, -s_want)
-        assert_bits(e, e_want, f"onebit error run {i}")
-        # the reference's own sum (torch's order) may differ in its last fp64 bits only
-        torch.testing.assert_close(scale.cpu(), s_ref, rtol=1e-7, atol=0)
-        if torch.equal(s_want, s_ref):
-            assert_bits(e, e_ref, f"onebit error vs reference run {i}")
+        if numel:  # the oracle's order, bit for bit: the fp64 sum of squares, then the scale
+            assert_bits(scratch[:1], sumsq.reshape(1), f"onebit sum of squares run {i}")
+        assert_bits(scale, s_ref, f"onebit scale run {i}")
+        assert_bits(buffers[i], e_ref, f"onebit error run {i}")
+
+
+def test_onebit_compress_into_out(K):
+    x, err0 = _onebit_inputs(5000, 8, torch.float32, seed=4)
+    e_ref, e = err0.clone(), err0.cuda()
+    p_ref, s_ref = reference.onebit_compress(x, e_ref, 5000)
+    buf = torch.full((700,), 0x5A, dtype=torch.uint8, device="cuda")
+    scale = torch.full((2,), float("nan"), device="cuda")
+    packed, s = K.onebit_compress(x.cuda(), e, 5000, out=(buf[3:3 + 626], scale[1:]))
+    assert packed.data_ptr() == buf[3:].data_ptr() and s.data_ptr() == scale[1:].data_ptr()
+    assert_bits(buf[3:629], p_ref, "packed into out")
+    assert_bits(buf[:3], torch.full((3,), 0x5A, dtype=torch.uint8), "bytes before out")
+    assert_bits(scale[1:], s_ref, "scale into out")
+    assert_bits(e, e_ref, "error")
+    with pytest.raises(ValueError, match="626 elements"):
+        K.onebit_compress(x.cuda(), err0.cuda(), 5000, out=(buf[:600], scale[1:]))
 
 
 def test_onebit_compress_nonfinite_and_signed_zero(K):
@@ -568,6 +552,22 @@ def test_unpack_scaled(K, poisoned, dtype, k, chunk, numel):
     pc, sc = packed.cuda(), scales.cuda()
     for i, got in enumerate(poisoned(lambda: K.unpack_scaled(pc, sc, chunk, numel, dtype))):
         assert_bits(got, want, f"unpack_scaled run {i}")
+
+
+def test_signs_outputs_into_out(K):
+    """out= buffers (misaligned views of larger ones): filled, nothing around them touched."""
+    packed, scales = _weighted_inputs(3, 1032, seed=3)
+    big = torch.full((3 * 1032 + 1,), 7.0, device="cuda")
+    got = K.signs_weighted_sum(packed.cuda(), scales.cuda(), 1032, 3.0, out=big[1:1033])
+    assert got.data_ptr() == big[1:].data_ptr()
+    assert_bits(big[1:1033], reference.signs_weighted_sum(packed, scales, 1032, 3.0), "weighted into out")
+    assert float(big[0]) == 7.0 and bool((big[1033:] == 7.0).all())
+    half = torch.full((3000,), 5.0, dtype=torch.bfloat16, device="cuda")
+    K.unpack_scaled(packed.cuda(), scales.cuda(), 1032, 2995, torch.bfloat16, out=half[3:2998])
+    assert_bits(half[3:2998], reference.unpack_scaled(packed, scales, 1032, 2995, torch.bfloat16), "unpack into out")
+    assert bool((half[:3] == 5.0).all()) and bool((half[2998:] == 5.0).all())
+    with pytest.raises(ValueError, match="float32"):
+        K.signs_weighted_sum(packed.cuda(), scales.cuda(), 1032, 3.0, out=half[:1032])
 
 
 def test_unpack_scaled_rejects_bad_sizes(K):

@@ -26,6 +26,7 @@ constexpr char code_of() {
     if constexpr (std::is_pointer_v<A>) return 'P';
     else if constexpr (std::is_same_v<A, long long>) return 'q';
     else if constexpr (std::is_same_v<A, int>) return 'i';
+    else if constexpr (std::is_same_v<A, unsigned>) return 'I';
     else if constexpr (std::is_same_v<A, float>) return 'f';
     else return '?';
 }
@@ -64,8 +65,7 @@ std::map<std::string, Entry> table() {
     t[std::string("zq_dequant_sum<") + TN + ">"] = entry(zq_dequant_sum<T>, false, 256);                 \
     t[std::string("zq_pack_signs<") + TN + ">"] = entry(zq_pack_signs<T>, false, 256);                   \
     t[std::string("zq_unpack_scaled<") + TN + ">"] = entry(zq_unpack_scaled<T>, false, 256);             \
-    t[std::string("zq_onebit_sumsq<") + TN + ">"] = entry(zq_onebit_sumsq<T>, true, ZQ_SUMSQ_THREADS);   \
-    t[std::string("zq_onebit_apply<") + TN + ">"] = entry(zq_onebit_apply<T>, false, 256);
+    t[std::string("zq_onebit_sumsq<") + TN + ">"] = entry(zq_onebit_sumsq<T>, true, ZQ_SUMSQ_THREADS);
     EMU_TYPED(float, "float")
     EMU_TYPED(zq_half, "zq_half")
     EMU_TYPED(zq_bf16, "zq_bf16")
@@ -73,7 +73,7 @@ std::map<std::string, Entry> table() {
     t["zq_requant_sum<1>"] = entry(zq_requant_sum<1>, true, 512);
     t["zq_requant_sum<4>"] = entry(zq_requant_sum<4>, true, 512);
     t["zq_signs_weighted_sum"] = entry(zq_signs_weighted_sum, false, 256);
-    t["zq_onebit_scale"] = entry(zq_onebit_scale, false, 32);
+    t["zq_onebit_scale"] = entry(zq_onebit_scale, true, ZQ_SUMSQ_THREADS);
     return t;
 }
 

@@ -13,7 +13,7 @@ _lib = ctypes.CDLL(os.environ["ZPP_EMU_LIB"])
 _lib.emu_has.argtypes = [ctypes.c_char_p]
 _lib.emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-_CODES = {np.uint64: "P", np.int64: "q", np.int32: "i", np.float32: "f"}
+_CODES = {np.uint64: "P", np.int64: "q", np.int32: "i", np.uint32: "I", np.float32: "f"}
 launches: list[tuple[str, int, int]] = []  # (name, grid, block) of every launch, for the curious
 
 

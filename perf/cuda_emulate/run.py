@@ -69,7 +69,9 @@ _CHILD = """
 import numpy as np, torch, fakecupy
 x = torch.randn(100)
 out = torch.empty(10, dtype=torch.uint8)  # 13 bytes are written: ASan must stop this
-fakecupy._Function("zq_pack_signs<float>")((1,), (32,), (np.uint64(x.data_ptr()), np.int64(100), np.int32(0),
+null = np.uint64(0)
+fakecupy._Function("zq_pack_signs<float>")((1,), (32,), (np.uint64(x.data_ptr()), null, null, np.int32(0),
+                                           np.float32(0), np.int64(100), np.int64(104), np.uint32(0), np.int32(0),
                                            np.uint64(out.data_ptr())), stream=0)
 print("NOT DETECTED")
 """

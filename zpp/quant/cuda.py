@@ -18,7 +18,7 @@ NAME = "cuda"
 
 _TYPE_NAMES = {torch.float32: "float", torch.float16: "zq_half", torch.bfloat16: "zq_bf16"}
 _CACHES = (1, 4)
-_PER_TYPE = ("dequant_sum", "pack_signs", "unpack_scaled", "onebit_sumsq", "onebit_apply")
+_PER_TYPE = ("dequant_sum", "pack_signs", "unpack_scaled", "onebit_sumsq")
 _NAMES = tuple(
     [f"zq_quantize<{t}, {c}>" for t in _TYPE_NAMES.values() for c in _CACHES]
     + [f"zq_swizzle_quantize<{t}, {c}>" for t in _TYPE_NAMES.values() for c in _CACHES]
@@ -30,14 +30,10 @@ _OPTIONS = ("-std=c++17", "--fmad=false")
 _BLOCK = 256  # elementwise kernels: threads per block, 8 elements per thread
 _MAX_GROUP_BLOCK = 512  # quantize kernels: at most this many threads per group
 _MAX_GRID = 2**31 - 1
-# onebit_compress's fp64 sum of squares, in the order of [Note: 1-bit kernels]
-# (zpp/quant/reference.py) as cuda/quant.cu's zq_onebit_sumsq defines it: blocks of
-# _SUMSQ_BLOCK elements, _SUMSQ_LANES interleaved lanes per block combined pairwise
-# (_SUMSQ_TREE) or left to right, block sums added in order.
-_SUMSQ_BLOCK = 16384
-_SUMSQ_LANES = 256
-_SUMSQ_TREE = True
-_SUMSQ_THREADS = 256  # ZQ_SUMSQ_THREADS in quant.cu
+# onebit_compress: elements per block of the fp64 sum of squares (ZQ_SUMSQ_BLOCK in quant.cu,
+# _SUMSQ_BLOCK of the oracle, zpp/quant/reference.py) and threads per block (ZQ_SUMSQ_THREADS).
+_SUMSQ_BLOCK = 2048
+_SUMSQ_THREADS = 256
 
 
 def source_path() -> Path:
@@ -59,6 +55,17 @@ def source_path() -> Path:
 def _alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every output of these kernels is allocated here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _out(t, shape: tuple, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+    """A caller's ``out=`` buffer, checked: contiguous, ``shape`` elements of ``dtype`` on
+    ``device``; returned flat (a view: the kernels write into it)."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or not t.is_contiguous()
+            or t.numel() != shape[0]):
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"zpp.quant.cuda: {what} must be a contiguous {dtype} tensor of {shape[0]} elements "
+                         f"on {device} (got {got})")
+    return t.view(-1)
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -307,49 +314,59 @@ class _CudaKernels:
 
     def pack_signs(self, x: torch.Tensor) -> torch.Tensor:
         x = _flat(x, "input")
-        tname = _type_name(x.dtype)
+        _type_name(x.dtype)
         n = x.numel()
         nbytes = _cdiv(n, 8)
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         out = _alloc((nbytes,), torch.uint8, x.device)
-        vec = int(x.data_ptr() % 16 == 0)
-        self._launch(
-            x.device, f"zq_pack_signs<{tname}>", _cdiv(nbytes, _BLOCK), _BLOCK,
-            (_ptr(x), _i64(n), _i32(vec), _ptr(out)),
-        )
+        self._pack_signs(x, None, n, 8 * nbytes, 0, out)
         return out
+
+    def _pack_signs(self, x, feedback, numel, nbits, pad, packed) -> None:
+        """zq_pack_signs: the signs of x, or with ``feedback = (error, scale, has_pending,
+        pending)`` of x + error, which it then updates (onebit_compress's last pass)."""
+        null = np.uint64(0)
+        if feedback is None:
+            fb_args, vec = (null, null, _i32(0), np.float32(0.0)), x.data_ptr() % 16 == 0
+        else:
+            error, scale, has_pending, pending = feedback
+            fb_args = (_ptr(error), _ptr(scale), has_pending, pending)
+            vec = x.data_ptr() % 16 == 0 and error.data_ptr() % 16 == 0
+        self._launch(
+            x.device, f"zq_pack_signs<{_type_name(x.dtype)}>", _cdiv(nbits // 8, _BLOCK), _BLOCK,
+            (_ptr(x),) + fb_args + (_i64(numel), _i64(nbits), np.uint32(pad), _i32(vec), _ptr(packed)),
+        )
 
     def unpack_signs(self, packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         packed = _flat(packed, "packed signs")
-        tname = _type_name(dtype)
+        _type_name(dtype)
         if packed.dtype != torch.uint8:
             raise TypeError(f"zpp.quant.cuda: packed signs dtype {packed.dtype} must be torch.uint8")
         if numel < 0 or packed.numel() < _cdiv(numel, 8):
             raise ValueError(f"zpp.quant.cuda: {packed.numel()} bytes cannot hold {numel} signs")
         if numel == 0:
             return torch.empty(0, dtype=dtype, device=packed.device)
-        return self._unpack_scaled(packed, None, 8, numel, dtype)
+        return self._unpack_scaled(packed, None, 8, numel, dtype, _alloc((numel,), dtype, packed.device))
 
-    def _unpack_scaled(self, packed, scales, chunk, numel, dtype):
-        """zq_unpack_scaled: ``scales[e // chunk] * sign_e`` (``scales`` None: +-1)."""
-        out = _alloc((numel,), dtype, packed.device)
+    def _unpack_scaled(self, packed, scales, chunk, numel, dtype, out):
+        """zq_unpack_scaled into out: ``scales[e // chunk] * sign_e`` (``scales`` None: +-1)."""
         sptr = np.uint64(0) if scales is None else _ptr(scales)
         self._launch(
             packed.device, f"zq_unpack_scaled<{_type_name(dtype)}>", _cdiv(_cdiv(numel, 8), _BLOCK),
-            _BLOCK, (_ptr(packed), sptr, _i64(chunk), _i64(numel), _ptr(out)),
+            _BLOCK, (_ptr(packed), sptr, _i64(chunk), _i64(numel), _i32(out.data_ptr() % 16 == 0), _ptr(out)),
         )
         return out
 
     # -- 1-bit error feedback ([Note: 1-bit kernels] in reference.py) ----------------------
 
-    def onebit_compress(self, x: torch.Tensor, error: torch.Tensor, numel: int):
-        packed, scale, _ = self._onebit_compress(x, error, numel)
+    def onebit_compress(self, x: torch.Tensor, error: torch.Tensor, numel: int, out=None, pending=None):
+        packed, scale, _ = self._onebit_compress(x, error, numel, out, pending)
         return packed, scale
 
-    def _onebit_compress(self, x, error, numel):
-        """onebit_compress, also returning the fp64 block sums of squares followed by their
-        total (what tests compare with the documented order)."""
+    def _onebit_compress(self, x, error, numel, out=None, pending=None):
+        """onebit_compress, also returning its fp64 scratch, whose element 0 ends up holding the
+        sum of squares (tests compare it with the oracle's)."""
         x = _flat(x, "input")
         tname = _type_name(x.dtype)
         if (not isinstance(error, torch.Tensor) or error.device != x.device or error.dtype != torch.float32
@@ -363,24 +380,23 @@ class _CudaKernels:
             raise ValueError(f"zpp.quant.cuda: numel={numel} with x of {x.numel()} and an error buffer of "
                              f"{nerr} elements (a multiple of 8 is needed)")
         dev = x.device
-        packed = _alloc((nerr // 8,), torch.uint8, dev)
-        scale = _alloc((1,), torch.float32, dev)
+        if out is None:
+            packed = _alloc((nerr // 8,), torch.uint8, dev)
+            scale = _alloc((1,), torch.float32, dev)
+        else:
+            packed = _out(out[0], (nerr // 8,), torch.uint8, dev, "packed signs out")
+            scale = _out(out[1], (1,), torch.float32, dev, "scale out")
+        lazy = pending is not None
+        lazy_args = (_i32(lazy), np.float32(pending if lazy else 0.0))
         nparts = _cdiv(numel, _SUMSQ_BLOCK)
-        partials = _alloc((nparts + 1,), torch.float64, dev)
-        per_block = _SUMSQ_THREADS // _SUMSQ_LANES  # element blocks per thread block
+        partials = _alloc((max(nparts, 1),), torch.float64, dev)
         if nparts:
-            self._launch(
-                dev, f"zq_onebit_sumsq<{tname}>", _cdiv(nparts, per_block), _SUMSQ_THREADS,
-                (_ptr(x), _ptr(error), _i64(numel), _i32(_SUMSQ_BLOCK), _i32(_SUMSQ_LANES),
-                 _i32(_SUMSQ_TREE), _ptr(partials)),
-            )
-        self._launch(dev, "zq_onebit_scale", 1, 32, (_ptr(partials), _i64(nparts), _i64(numel), _ptr(scale)))
+            self._launch(dev, f"zq_onebit_sumsq<{tname}>", nparts, _SUMSQ_THREADS,
+                         (_ptr(x), _ptr(error), _i64(numel)) + lazy_args + (_ptr(partials),))
+        self._launch(dev, "zq_onebit_scale", 1, _SUMSQ_THREADS,
+                     (_ptr(partials), _i64(nparts), _i64(numel), _ptr(scale)))
         if nerr:
-            vec = int(x.data_ptr() % 16 == 0 and error.data_ptr() % 16 == 0)
-            self._launch(
-                dev, f"zq_onebit_apply<{tname}>", _cdiv(nerr // 8, _BLOCK), _BLOCK,
-                (_ptr(x), _ptr(error), _i64(numel), _i64(nerr), _i32(vec), _ptr(scale), _ptr(packed)),
-            )
+            self._pack_signs(x, (error, scale) + lazy_args, numel, nerr, 1, packed)
         return packed, scale, partials
 
     def _signs_inputs(self, packed, scales, chunk) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -396,28 +412,35 @@ class _CudaKernels:
                              f"chunk={chunk} (a positive multiple of 8) / 8")
         return packed, scales, k
 
-    def signs_weighted_sum(self, packed, scales, chunk: int, divisor: float) -> torch.Tensor:
+    def signs_weighted_sum(self, packed, scales, chunk: int, divisor: float, out=None) -> torch.Tensor:
         packed, scales, k = self._signs_inputs(packed, scales, chunk)
         if k < 1:
             raise ValueError("zpp.quant.cuda: signs_weighted_sum needs at least one scale")
         divisor = float(divisor)
         has_div = divisor != 1.0
-        out = _alloc((chunk,), torch.float32, packed.device)
+        if out is None:
+            out = _alloc((chunk,), torch.float32, packed.device)
+        else:
+            out = _out(out, (chunk,), torch.float32, packed.device, "signs_weighted_sum out")
         self._launch(
             packed.device, "zq_signs_weighted_sum", _cdiv(chunk // 8, _BLOCK), _BLOCK,
             (_ptr(packed), _ptr(scales), _i32(k), _i64(chunk), _i32(has_div),
-             np.float32(divisor if has_div else 1.0), _ptr(out)),
+             np.float32(divisor if has_div else 1.0), _i32(out.data_ptr() % 16 == 0), _ptr(out)),
         )
         return out
 
-    def unpack_scaled(self, packed, scales, chunk: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def unpack_scaled(self, packed, scales, chunk: int, numel: int, dtype: torch.dtype, out=None) -> torch.Tensor:
         packed, scales, k = self._signs_inputs(packed, scales, chunk)
         _type_name(dtype)
         if not 0 <= numel <= k * chunk:
             raise ValueError(f"zpp.quant.cuda: numel={numel} exceeds {k} chunks of {chunk}")
+        if out is None:
+            out = _alloc((numel,), dtype, packed.device)
+        else:
+            out = _out(out, (numel,), dtype, packed.device, "unpack_scaled out")
         if numel == 0:
-            return torch.empty(0, dtype=dtype, device=packed.device)
-        return self._unpack_scaled(packed, scales, chunk, numel, dtype)
+            return out
+        return self._unpack_scaled(packed, scales, chunk, numel, dtype, out)
 
 
 _instance: _CudaKernels | None = None
