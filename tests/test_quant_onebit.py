@@ -170,3 +170,38 @@ def test_public_api_checks():
         zq.unpack_scaled(torch.zeros(2, dtype=torch.uint8), torch.ones(2), chunk=8, numel=17)
     p, s = zq.onebit_compress(torch.randn(10), torch.zeros(16))
     assert p.numel() == 2 and s.shape == (1,)
+
+
+def test_public_api_out_and_pending():
+    """zpp.quant's 1-bit functions take out= and pending= like the kernels, and refuse an out=
+    of the wrong size or dtype and a bad pending scale with a ValueError naming it."""
+    import zpp.quant as zq
+
+    n, chunk = 100, 104
+    x = torch.randn(n)
+    e_eager, e_lazy = torch.zeros(chunk), torch.zeros(chunk)
+    signs, scale = torch.empty(chunk // 8, dtype=torch.uint8), torch.empty(1)
+    pending = 0.0
+    for _ in range(3):
+        p_e, s_e = zq.onebit_compress(x, e_eager, numel=n)
+        got = zq.onebit_compress(x, e_lazy, numel=n, out=(signs, scale), pending=pending)
+        assert got[0] is signs and got[1] is scale
+        assert torch.equal(signs, p_e) and torch.equal(scale, s_e)
+        pending = float(scale)
+    assert torch.equal(reference.settle(e_lazy, n, pending), e_eager[:n])
+    scales = torch.tensor([0.5, 2.0])
+    packed = torch.cat([signs, signs])
+    avg = torch.empty(chunk)
+    assert zq.signs_weighted_sum(packed, scales, chunk=chunk, divisor=2.0, out=avg) is avg
+    assert torch.equal(avg, zq.signs_weighted_sum(packed, scales, chunk=chunk, divisor=2.0))
+    dec = torch.empty(150, dtype=torch.bfloat16)
+    assert zq.unpack_scaled(packed, scales, chunk=chunk, numel=150, dtype=torch.bfloat16, out=dec) is dec
+    assert torch.equal(dec, zq.unpack_scaled(packed, scales, chunk=chunk, numel=150, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="onebit_compress signs .* 13 elements"):
+        zq.onebit_compress(x, e_eager, numel=n, out=(torch.empty(12, dtype=torch.uint8), scale))
+    with pytest.raises(ValueError, match="signs_weighted_sum"):
+        zq.signs_weighted_sum(packed, scales, chunk=chunk, out=torch.empty(chunk, dtype=torch.float64))
+    with pytest.raises(ValueError, match="unpack_scaled"):
+        zq.unpack_scaled(packed, scales, chunk=chunk, numel=150, out=torch.empty(150, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="pending=-1.0"):
+        zq.onebit_compress(x, e_eager, numel=n, pending=-1.0)

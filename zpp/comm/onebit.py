@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from zpp.comm.transport import Transport
-from zpp.quant.dispatch import kernel
+import zpp.quant as zq
 from zpp.quant.reference import settle
 from zpp.quant.types import check_dtype
 
@@ -113,8 +113,8 @@ class OneBitAllReduce:
         local = flat if flat.device == dev else flat.to(dev)
         with t.counters.collective("onebit_all_reduce", n * x.element_size()):
             # 1. worker compression with error feedback (fused; updates worker_error)
-            kernel(dev, "onebit_compress")(local, self.worker_error, n, out=(self._signs, self._scale),
-                                           pending=self._w_pending)
+            zq.onebit_compress(local, self.worker_error, numel=n, out=(self._signs, self._scale),
+                               pending=self._w_pending)
             self._w_pending = float(self._scale)
             # 2. phase 1: frame j = my chunk j of signs + my scale, to rank j
             frames = self._send.view(W, self._frame)
@@ -124,18 +124,18 @@ class OneBitAllReduce:
             self._unframe(self._recv, self._recv_signs, self._recv_scales)
             # 3. server: average my chunk, add the server error, recompress (padding ignored);
             #    the signs land in my phase-2 frame directly
-            kernel(dev, "signs_weighted_sum")(self._recv_signs, self._recv_scales, c, float(W), out=self._avg)
-            kernel(dev, "onebit_compress")(self._avg, self.server_error, self.valid,
-                                           out=(self._mine[:cb], self._s_scale), pending=self._s_pending)
+            zq.signs_weighted_sum(self._recv_signs, self._recv_scales, chunk=c, divisor=float(W), out=self._avg)
+            zq.onebit_compress(self._avg, self.server_error, numel=self.valid,
+                               out=(self._mine[:cb], self._s_scale), pending=self._s_pending)
             self._s_pending = float(self._s_scale)
             self._mine[cb:].copy_(self._s_scale.view(torch.uint8))
             # 4. phase 2: everyone's frame; decode into x
             t.all_gather(self._gathered, self._mine)
             self._unframe(self._gathered, self._all_signs, self._all_scales)
             if local is flat:
-                kernel(dev, "unpack_scaled")(self._all_signs, self._all_scales, c, n, x.dtype, out=flat)
+                zq.unpack_scaled(self._all_signs, self._all_scales, chunk=c, numel=n, dtype=x.dtype, out=flat)
         if local is not flat:
-            flat.copy_(kernel(dev, "unpack_scaled")(self._all_signs, self._all_scales, c, n, x.dtype))
+            flat.copy_(zq.unpack_scaled(self._all_signs, self._all_scales, chunk=c, numel=n, dtype=x.dtype))
         return x
 
     def state_dict(self) -> dict:

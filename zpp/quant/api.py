@@ -1,6 +1,8 @@
 """zpp.quant's public functions: validation, then the kernels of the tensor's device."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zpp.quant.dispatch import kernel, kernels_for
@@ -156,7 +158,8 @@ def unpack_signs(packed: torch.Tensor, numel: int, *, dtype: torch.dtype = torch
 
 
 def onebit_compress(
-    x: torch.Tensor, error: torch.Tensor, *, numel: int | None = None
+    x: torch.Tensor, error: torch.Tensor, *, numel: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, pending: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Error-feedback sign compression, fused (see [Note: 1-bit kernels] in reference.py).
 
@@ -165,6 +168,13 @@ def onebit_compress(
     ``b - scale * sign(b)``. ``error`` is fp32, contiguous, with ``numel`` (Default:
     ``x.numel()``) real elements followed by zero padding to a multiple of 8; the packed signs
     cover all of it (padding bits are 1).
+
+    ``out``: a (uint8 packed signs of ``error.numel() / 8`` bytes, 1-element fp32 scale) pair to
+    fill instead of allocating. ``pending``: the lazy form; ``error`` then holds the previous
+    call's ``b`` and ``pending`` that call's scale (0.0 for a fresh buffer), and on return it
+    holds this call's ``b``: pass the returned scale as the next call's ``pending``, and
+    :func:`zpp.quant.reference.settle` gives the error it stands for. Bit for bit the same
+    results as the eager form, one pass over memory fewer.
     """
     flat = _flat(x)
     numel = flat.numel() if numel is None else numel
@@ -176,31 +186,53 @@ def onebit_compress(
                          f"{error.numel()} elements (a multiple of 8 is needed)")
     if error.device != flat.device:
         raise ValueError(f"zpp.quant: x on {flat.device} but error buffer on {error.device}")
-    return kernel(flat.device, "onebit_compress")(flat, error, numel)
+    if out is not None:
+        _check_out(out[0], error.numel() // 8, torch.uint8, flat.device, "onebit_compress signs")
+        _check_out(out[1], 1, torch.float32, flat.device, "onebit_compress scale")
+    if pending is not None:
+        pending = float(pending)
+        if not math.isfinite(pending) or pending < 0:
+            raise ValueError(f"zpp.quant: pending={pending} must be a finite scale >= 0")
+    return kernel(flat.device, "onebit_compress")(flat, error, numel, out=out, pending=pending)
 
 
 def signs_weighted_sum(
-    packed: torch.Tensor, scales: torch.Tensor, *, chunk: int, divisor: float = 1.0
+    packed: torch.Tensor, scales: torch.Tensor, *, chunk: int, divisor: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_i scales[i] * sign_i / divisor`` (fp32, rank order) over ``k = scales.numel()``
-    packed sign vectors of ``chunk`` elements each, laid back to back in ``packed``."""
+    packed sign vectors of ``chunk`` elements each, laid back to back in ``packed``; into
+    ``out`` (``chunk`` fp32 elements) when given."""
     if _check_signs(packed, scales, chunk) == 0:
         raise ValueError("zpp.quant: signs_weighted_sum needs at least one scale")
+    if out is not None:
+        _check_out(out, chunk, torch.float32, packed.device, "signs_weighted_sum")
     fn = kernel(packed.device, "signs_weighted_sum")
-    return fn(packed.reshape(-1), scales.reshape(-1), chunk, float(divisor))
+    return fn(packed.reshape(-1), scales.reshape(-1), chunk, float(divisor), out=out)
 
 
 def unpack_scaled(
     packed: torch.Tensor, scales: torch.Tensor, *, chunk: int, numel: int,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The first ``numel`` of ``scales[j] * sign_j`` laid out chunk after chunk."""
+    """The first ``numel`` of ``scales[j] * sign_j`` laid out chunk after chunk; into ``out``
+    (``numel`` contiguous elements of ``dtype``) when given."""
     k = _check_signs(packed, scales, chunk)
     check_dtype(dtype, "output")
     if not 0 <= numel <= k * chunk:
         raise ValueError(f"zpp.quant: numel={numel} exceeds {k} chunks of {chunk}")
+    if out is not None:
+        _check_out(out, numel, dtype, packed.device, "unpack_scaled")
     return kernel(packed.device, "unpack_scaled")(packed.reshape(-1), scales.reshape(-1), chunk,
-                                                 numel, dtype)
+                                                 numel, dtype, out=out)
+
+
+def _check_out(out: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> None:
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.numel() != numel \
+            or out.device != device or not out.is_contiguous():
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
+        raise ValueError(f"zpp.quant: {what} out= must be a contiguous {dtype} tensor of {numel} "
+                         f"elements on {device}, got {got}")
 
 
 def _check_signs(packed: torch.Tensor, scales: torch.Tensor, chunk: int) -> int:
