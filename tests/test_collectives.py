@@ -186,6 +186,22 @@ def _check_onebit(t):
     if W > 1:
         ratio = snap["all_reduce"].wire_bytes / snap["onebit_all_reduce"].wire_bytes
         assert 28 <= ratio <= 32, ratio
+    # phase 2 in two hops (automatic on several nodes of several ranks): the same bits as the
+    # flat all-gather; per rank, phase 1 sends (N-1)R frames across nodes, phase 2 (N-1)R flat
+    # but N-1 in two hops
+    nodes = len(set(t.nodes))
+    R = W // nodes
+    runs = {}
+    for hier in (False, None):
+        o = OneBitAllReduce(n, t, hierarchical=hier)
+        assert o.hierarchical == (hier is None and 1 < nodes < W)
+        t.counters.reset()
+        outs = [o(_rand(n, t.rank, 50 + s)) for s in range(3)]
+        stat = t.counters.snapshot().get("onebit_all_reduce")
+        runs[hier] = (outs, stat.inter_bytes if stat else 0)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[None][0]))
+    if 1 < nodes < W:
+        assert runs[None][1] * 2 * R == runs[False][1] * (R + 1), runs
     with pytest.raises(ValueError, match="numel=777"):
         OneBitAllReduce(777, t)(torch.zeros(5))
     bad = OneBitAllReduce(10, t).state_dict()

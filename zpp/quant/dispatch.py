@@ -44,15 +44,7 @@ def kernels_for(device: torch.device):
     try:
         return _load(want)
     except (ImportError, OSError, RuntimeError) as exc:
-        _fallbacks[want] += 1
-        if want not in _warned:
-            _warned.add(want)
-            warnings.warn(
-                f"zpp.quant: the {want} kernels are unavailable ({exc}); using the "
-                f"plain-torch reference (counted in zpp.quant.fallback_counts())",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        _fall_back(want, f"the {want} kernels are unavailable ({exc})")
         return reference
 
 
@@ -63,17 +55,17 @@ def kernel(device: torch.device, name: str):
     fn = getattr(k, name, None)
     if fn is not None:
         return fn
-    key = f"{getattr(k, 'NAME', '?')}.{name}"
+    _fall_back(f"{getattr(k, 'NAME', '?')}.{name}", f"the {getattr(k, 'NAME', '?')} kernels have no {name}")
+    return getattr(reference, name)
+
+
+def _fall_back(key: str, why: str) -> None:
+    """Count a fallback to the reference under ``key``; warn the first time."""
     _fallbacks[key] += 1
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(
-            f"zpp.quant: the {k.NAME} kernels have no {name}; using the plain-torch reference "
-            f"(counted in zpp.quant.fallback_counts())",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return getattr(reference, name)
+        warnings.warn(f"zpp.quant: {why}; using the plain-torch reference (counted in "
+                      f"zpp.quant.fallback_counts())", RuntimeWarning, stacklevel=4)
 
 
 def fallback_counts() -> dict[str, int]:
