@@ -41,13 +41,11 @@ MPICH's ``Ireduce_scatter_block`` reached only 0.68 of a 100 Mbit node link on a
 2 nodes x 2 ranks (perf/BENCHMARKS.md). So "sum" and "mean" reduce_scatter run here on
 point-to-point messages instead (``$ZPP_MPI_RING=0`` returns to MPICH's):
 
-* fp32, fp64 and integers: a ring over the ranks in node order (one crossing into and one out
-  of each node), ``world_size - 1`` steps; each step sends a partial slice to the next rank,
-  receives one from the previous and adds this rank's own part, in the input dtype (integer
-  sums wrap). Each step's slice goes in pieces of about ``RING_PIECE_BYTES`` so that the next
-  step of one piece overlaps the transfer of the next piece. A rank sends ``(W - 1) / W`` of
-  the buffer; a node's link carries one slice per step each way. The additions run in ring
-  order, so float sums can differ from MPICH's in the last bits.
+* fp32, fp64 and integers: the pipelined ring in node order of [Note: ring reduce-scatter]
+  (zpp/comm/ring.py, shared with TorchTransport), on ``Isend`` / ``Irecv``, pieces of about
+  ``RING_PIECE_BYTES``; sums in the input dtype (integer sums wrap). A rank sends
+  ``(W - 1) / W`` of the buffer; a node's link carries one slice per step each way. The
+  additions run in ring order, so float sums can differ from MPICH's in the last bits.
 * fp16 / bf16: an all-to-all of the 16-bit slices, then this rank sums the ``W`` slices in
   fp32 and rounds once (after the division, for "mean"): half the bytes of the widened fp32
   reduction, and the same single rounding.
@@ -64,6 +62,7 @@ from typing import Any
 import torch
 
 from zpp.comm.counters import WireCounters
+from zpp.comm.ring import ring_order, ring_reduce_scatter
 from zpp.comm.topology import agree_on_layout
 from zpp.comm.transport import Transport, Work
 
@@ -238,47 +237,21 @@ class MpiTransport(Transport):
                 o.copy_(wide_o)
 
     def _ring_reduce_scatter(self, o: torch.Tensor, i: torch.Tensor) -> None:
-        """``o`` = the sum over ranks of slice ``rank`` of ``i``, by a pipelined ring in node
-        order, in the input dtype; see [Note: MPI ring reduce-scatter]."""
-        n = self.world_size
-        order = sorted(range(n), key=lambda q: (self.nodes[q], q))
-        pos = order.index(self.rank)
-        nxt, prv = order[(pos + 1) % n], order[(pos - 1) % n]
-        rows = i.view(n, -1)
-        m = rows.shape[1]
-        pieces = max(1, min(RING_MAX_PIECES, -(-m * i.element_size() // RING_PIECE_BYTES), m))
-        cuts = [m * c // pieces for c in range(pieces + 1)]
-        spans = [slice(cuts[c], cuts[c + 1]) for c in range(pieces)]
-        # Step s of piece c receives the partial sum of slice order[pos - s - 2] into
-        # bufs[s % 3], adds this rank's part and sends it on as step s + 1; step 0 sends this
-        # rank's part of slice order[pos - 1]; the last step's sum is this rank's own slice.
-        # A buffer is received into again only after the send that read it has completed.
-        # Messages of one piece share a tag, and MPI matches a pair's messages in order.
-        bufs = [torch.empty(m, dtype=i.dtype) for _ in range(min(3, n - 1))]
-        keep = (o, i, *bufs)
-        sends: dict[tuple[int, int], Any] = {}
-        recvs: dict[tuple[int, int], Any] = {}
-        first = rows[order[(pos - 1) % n]]
-        for c, sp in enumerate(spans):
-            recvs[0, c] = self._start("reduce_scatter", lambda: self.comm.Irecv(self._buf(bufs[0][sp]), prv, c), keep)
-            sends[0, c] = self._start("reduce_scatter", lambda: self.comm.Isend(self._buf(first[sp]), nxt, c), keep)
-        for s in range(n - 1):
-            got, mine = bufs[s % len(bufs)], rows[order[(pos - s - 2) % n]]
-            nbuf = bufs[(s + 1) % len(bufs)]
-            for c, sp in enumerate(spans):
-                self._poll("reduce_scatter", recvs.pop((s, c)), keep)
-                if s == n - 2:
-                    torch.add(got[sp], mine[sp], out=o[sp])
-                    continue
-                got[sp].add_(mine[sp])
-                if (s - 1, c) in sends:
-                    self._poll("reduce_scatter", sends.pop((s - 1, c)), keep)
-                recvs[s + 1, c] = self._start("reduce_scatter",
-                                              lambda: self.comm.Irecv(self._buf(nbuf[sp]), prv, c), keep)
-                sends[s + 1, c] = self._start("reduce_scatter",
-                                              lambda: self.comm.Isend(self._buf(got[sp]), nxt, c), keep)
-        for req in sends.values():
-            self._poll("reduce_scatter", req, keep)
+        """``o`` = the sum over ranks of slice ``rank`` of ``i``: [Note: ring reduce-scatter] in
+        zpp/comm/ring.py, on ``Isend`` / ``Irecv`` polled against ``timeout_s``."""
+        held: list[torch.Tensor] = [o, i]  # every buffer MPI may touch, kept past a timeout
+
+        def isend(t: torch.Tensor, peer: int, tag: int):
+            held.append(t)
+            return self._start("reduce_scatter", lambda: self.comm.Isend(self._buf(t), peer, tag), (t,))
+
+        def irecv(t: torch.Tensor, peer: int, tag: int):
+            held.append(t)
+            return self._start("reduce_scatter", lambda: self.comm.Irecv(self._buf(t), peer, tag), (t,))
+
+        ring_reduce_scatter(o, i, rank=self.rank, order=ring_order(self.nodes), isend=isend, irecv=irecv,
+                            wait=lambda req: self._poll("reduce_scatter", req, tuple(held)),
+                            piece_bytes=RING_PIECE_BYTES, max_pieces=RING_MAX_PIECES)
 
     def _half_reduce_scatter(self, o: torch.Tensor, i: torch.Tensor, op: str) -> None:
         """fp16 / bf16: all-to-all of the 16-bit slices, fp32 sum here, one rounding."""

@@ -39,9 +39,10 @@ every connection carries one direction.
 * all_to_all: ``world_size - 1`` rounds of point-to-point ``isend`` / ``irecv``; in round
   ``k`` rank ``r`` sends slice ``(r + k) % W`` to that rank and receives slice
   ``(r - k) % W`` from that rank. Every round is posted at once and then waited for.
-* reduce_scatter of fp32, fp64, integers and bool: a ring of ``world_size - 1`` steps over
-  the ranks in node order (fewest node crossings); each step sends one partial slice to the
-  next rank, receives one from the previous and adds this rank's own slice. It moves
+* reduce_scatter of fp32, fp64, integers and bool: the pipelined ring in node order of
+  [Note: ring reduce-scatter] (zpp/comm/ring.py, shared with MpiTransport), ``world_size - 1``
+  steps; each step sends one partial slice to the next rank, receives one from the previous
+  and adds this rank's own slice. It moves
   ``(W - 1) / W`` of the buffer per rank (on a node-major ring, a node's link carries one
   slice per step each way) and adds in the input dtype (fp32 sums in fp32; integer sums
   wrap as they do in gloo; bool "sum" is a logical or). The order of the additions differs
@@ -86,6 +87,7 @@ import torch
 import torch.distributed as dist
 
 from zpp.comm.counters import WireCounters
+from zpp.comm.ring import ring_order, ring_reduce_scatter
 from zpp.comm.topology import agree_on_layout
 from zpp.comm.transport import Transport, Work
 
@@ -405,45 +407,14 @@ class TorchTransport(Transport):
         out_rows[r].copy_(in_rows[r])
         _wait_all(works)
 
-    def _ring_order(self) -> list[int]:
-        """Group ranks in ring order: by node, then rank (one crossing into and out of each node)."""
-        return sorted(range(self.world_size), key=lambda q: (self.nodes[q], q))
-
     def _ring_reduce_scatter(self, o: torch.Tensor, i: torch.Tensor, pair) -> None:
-        """``o`` = sum over ranks of slice ``rank`` of ``i``, by a pipelined ring in the input dtype."""
-        n = self.world_size
-        order = self._ring_order()
-        pos = order.index(self.rank)
-        nxt, prv = order[(pos + 1) % n], order[(pos - 1) % n]
-        rows = i.view(n, -1)
-        m = rows.shape[1]
-        pieces = max(1, min(RING_MAX_PIECES, -(-m * i.element_size() // RING_PIECE_BYTES), m))
-        cuts = [m * c // pieces for c in range(pieces + 1)]
-        spans = [slice(cuts[c], cuts[c + 1]) for c in range(pieces)]
-        # Step s of piece c receives the partial sum of slice order[pos - s - 2] into
-        # bufs[s % 3], adds this rank's part, and sends it on as step s + 1; step 0 sends this
-        # rank's part of slice order[pos - 1]; the last step receives this rank's own slice.
-        # A buffer is received into again only after the send that read it has completed.
-        bufs = [torch.empty(m, dtype=i.dtype) for _ in range(min(3, n - 1))]
-        sends: dict[tuple[int, int], dist.Work] = {}
-        recvs: dict[tuple[int, int], dist.Work] = {}
-        first = rows[order[(pos - 1) % n]]
-        for c, sp in enumerate(spans):
-            recvs[0, c] = self._irecv(bufs[0][sp], prv, pair, tag=c)
-            sends[0, c] = self._isend(first[sp], nxt, pair, tag=c)
-        for s in range(n - 1):
-            got, mine = bufs[s % len(bufs)], rows[order[(pos - s - 2) % n]]
-            for c, sp in enumerate(spans):
-                recvs.pop((s, c)).wait()
-                if s == n - 2:
-                    torch.add(got[sp], mine[sp], out=o[sp])
-                    continue
-                got[sp].add_(mine[sp])
-                if (s - 1, c) in sends:
-                    sends.pop((s - 1, c)).wait()
-                recvs[s + 1, c] = self._irecv(bufs[(s + 1) % len(bufs)][sp], prv, pair, tag=c)
-                sends[s + 1, c] = self._isend(got[sp], nxt, pair, tag=c)
-        _wait_all(list(sends.values()))
+        """``o`` = sum over ranks of slice ``rank`` of ``i``: [Note: ring reduce-scatter] in
+        zpp/comm/ring.py, on the duplex pair's point-to-point messages."""
+        ring_reduce_scatter(o, i, rank=self.rank, order=ring_order(self.nodes),
+                            isend=lambda t, peer, tag: self._isend(t, peer, pair, tag=tag),
+                            irecv=lambda t, peer, tag: self._irecv(t, peer, pair, tag=tag),
+                            wait=lambda work: work.wait(),
+                            piece_bytes=RING_PIECE_BYTES, max_pieces=RING_MAX_PIECES)
 
     def _duplex_reduce_scatter_half(self, o: torch.Tensor, i: torch.Tensor, op: str, pair) -> None:
         """fp16 / bf16: all_to_all of the slices, fp32 sum here, one rounding."""
