@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,13 +56,17 @@ def _run_variant(t, name, args, data):
 
     model = trainlib.make_model(args)
     psi = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(t.rank)
     engine = None
     if VARIANTS[name] is None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         net = DDP(model) if t.world_size > 1 else model
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+        def opt_step():
+            opt.step()
+            opt.zero_grad()
+        backward = lambda loss: loss.backward()  # noqa: E731 - DDP's all-reduce runs in here
     else:
         kind, extra = VARIANTS[name]
         params = {"lr": args.lr, **extra}
@@ -72,46 +75,11 @@ def _run_variant(t, name, args, data):
         cfg = {"optimizer": {"type": kind, "params": params}, "zero_optimization": {"stage": 0},
                "zpp": {"check_metadata": False}}
         engine, opt, *_ = zz.initialize(model=model, config=cfg, transport=t)
-        net = engine
-
-    split = [0.0, 0.0]  # seconds in forward+backward, in the optimizer step
-
-    def step():
-        x, y = data.batch(args.batch, args.block, g)
-        t0 = time.perf_counter()
-        loss = net(x, y)
-        if engine is not None:
-            engine.backward(loss)
-            t1 = time.perf_counter()
-            engine.step()
-        else:
-            loss.backward()  # DDP: the gradient all-reduce runs in here
-            t1 = time.perf_counter()
-            opt.step()
-            opt.zero_grad()
-        split[0] += t1 - t0
-        split[1] += time.perf_counter() - t1
-        return loss.item()
-
-    for _ in range(args.warmup):
-        step()
-    t.counters.reset()
-    t.barrier()
-    split[:] = [0.0, 0.0]
-    eth0 = trainlib.eth_counters()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    t.barrier()
-    dt = (time.perf_counter() - t0) / args.steps
-    eth1 = trainlib.eth_counters()
-    snap = t.counters.snapshot()  # before the exchange of the link counters below
-    row = {"variant": name, "params": psi, "step_s": dt, "fwd_bwd_s": split[0] / args.steps,
-           "opt_step_s": split[1] / args.steps, "loss": loss,
-           **trainlib.node_eth_per_step(t, eth0, eth1, args.steps)}
+        net, backward, opt_step = engine, engine.backward, engine.step
+    measured, snap = trainlib.timed_steps(t, args, data, net, backward, opt_step)
+    row = {"variant": name, "params": psi, **measured}
     if engine is not None:
-        row["inter_bytes"] = sum(s.inter_bytes for s in snap.values()) / args.steps
-        row["intra_bytes"] = sum(s.intra_bytes for s in snap.values()) / args.steps
+        row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
         row["bytes_source"] = "counters"
         if kind in _FREEZE:
             assert opt.step_count > args.warmup, "measured steps must be in the compression stage"
@@ -139,7 +107,7 @@ def _print(rows, args, world, per_node):
         mark = "" if r["bytes_source"] == "counters" else " (model)"
         eth = trainlib.fmt_eth(r, "eth_tx_bytes_per_node")
         rt = trainlib.fmt_eth(r, "tcp_retrans_per_node")
-        print(f"{r['variant']:<14}{r['step_s']:>9.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_step_s']:>8.3f}"
+        print(f"{r['variant']:<14}{r['step_s']:>9.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_s']:>8.3f}"
               f"{r['inter_bytes']:>14.0f}{eth:>30}{rt:>20}{r['loss']:>8.3f}{mark}")
 
 

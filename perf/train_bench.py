@@ -36,7 +36,6 @@ import json
 import os
 import resource
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,40 +106,11 @@ def _build(name, model, t, args):
 def _run_variant(t, name, args, data):
     model = trainlib.make_model(args)
     psi = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(t.rank)
     net, backward, opt_step, engine = _build(name, model, t, args)
-    split = [0.0, 0.0]  # seconds in forward+backward, in the optimizer step
-
-    def step():
-        x, y = data.batch(args.batch, args.block, g)
-        t0 = time.perf_counter()
-        loss = net(x, y)
-        backward(loss)
-        t1 = time.perf_counter()
-        opt_step()
-        split[0] += t1 - t0
-        split[1] += time.perf_counter() - t1
-        return loss.item()
-
-    for _ in range(args.warmup):
-        step()
-    t.counters.reset()
-    t.barrier()
-    split[:] = [0.0, 0.0]
-    eth0 = trainlib.eth_counters()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    t.barrier()
-    dt = (time.perf_counter() - t0) / args.steps
-    eth1 = trainlib.eth_counters()
-    snap = t.counters.snapshot()  # before the exchange of the link counters below
-    row = {"variant": name, "params": psi, "step_s": dt, "fwd_bwd_s": split[0] / args.steps,
-           "opt_s": split[1] / args.steps, "loss": loss,
-           **trainlib.node_eth_per_step(t, eth0, eth1, args.steps)}
+    measured, snap = trainlib.timed_steps(t, args, data, net, backward, opt_step)
+    row = {"variant": name, "params": psi, **measured}
     if engine is not None:
-        row["inter_bytes"] = sum(s.inter_bytes for s in snap.values()) / args.steps
-        row["intra_bytes"] = sum(s.intra_bytes for s in snap.values()) / args.steps
+        row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
         row["model_state_bytes"] = sum(engine.model_state_bytes().values())
         row["bytes_source"] = "counters"
         engine.close()

@@ -14,6 +14,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -99,6 +100,52 @@ def node_eth_per_step(t, before, after, steps: int) -> dict:
         return {}
     return {"eth_tx_bytes_per_node": [n[0] for n in nodes], "eth_tx_packets_per_node": [n[1] for n in nodes],
             "tcp_retrans_per_node": [n[2] for n in nodes]}
+
+
+def timed_steps(t, args, data, net, backward, opt_step) -> tuple[dict, dict]:
+    """``args.warmup`` untimed training steps, then ``args.steps`` timed ones between barriers.
+
+    A step draws a batch from ``data`` (this rank's own stream), runs ``loss = net(x, y)``,
+    ``backward(loss)`` and ``opt_step()``. Returns the row's measured fields (``step_s``;
+    ``fwd_bwd_s`` and ``opt_s``, the step split at the end of ``backward``; the last ``loss``;
+    every node's link bytes per step, see :func:`node_eth_per_step`) and the transport's wire
+    counters over the timed steps (a snapshot; empty for a library that does not send through
+    ``t``)."""
+    g = torch.Generator().manual_seed(t.rank)
+    split = [0.0, 0.0]
+
+    def step():
+        x, y = data.batch(args.batch, args.block, g)
+        t0 = time.perf_counter()
+        loss = net(x, y)
+        backward(loss)
+        t1 = time.perf_counter()
+        opt_step()
+        split[0] += t1 - t0
+        split[1] += time.perf_counter() - t1
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    t.counters.reset()
+    t.barrier()
+    split[:] = [0.0, 0.0]
+    eth0 = eth_counters()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    t.barrier()
+    dt = (time.perf_counter() - t0) / args.steps
+    eth1 = eth_counters()
+    snap = t.counters.snapshot()  # before the exchange of the link counters below
+    row = {"step_s": dt, "fwd_bwd_s": split[0] / args.steps, "opt_s": split[1] / args.steps, "loss": loss,
+           **node_eth_per_step(t, eth0, eth1, args.steps)}
+    return row, snap
+
+
+def counted_per_step(snap: dict, steps: int) -> tuple[float, float]:
+    """Inter- and intra-node bytes per step in a wire-counter snapshot of ``steps`` steps."""
+    return (sum(s.inter_bytes for s in snap.values()) / steps, sum(s.intra_bytes for s in snap.values()) / steps)
 
 
 def fmt_eth(row: dict, key: str) -> str:
