@@ -20,16 +20,16 @@ exceed (W-1)/(R(W-R)) = 0.75 there; this one reaches 1.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
+import clusterlib  # noqa: E402
 from zpp import cluster  # noqa: E402
 
 # (op, compression, minimum speedup over plain) at the slow rate; at the fast rate > 1
@@ -105,36 +105,27 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=str(HERE / "results" / "cluster_bench.json"))
     args = ap.parse_args(argv)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(), "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
-              "sizes": args.sizes, "runs": []}
-    rates = args.rates.split(",")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for rate in rates:
-                cluster.up(args.nodes, rate)
-                rate_bits = cluster.parse_rate(rate)
-                for backend in args.backends.split(","):
-                    doc = _bench(rate, backend, args, Path(tmp))
-                    summary = summarize(doc, rate_bits, args.nodes, args.ranks_per_node)
-                    record["runs"].append({"rate": rate, "backend": backend, "summary": summary,
-                                           "bench": doc})
-                    print(f"\n## {backend} at {rate} ({args.nodes} nodes x {args.ranks_per_node} ranks)")
-                    print(f"{'op':>14} {'variant':>7} {'size':>6} {'time(s)':>9} {'util':>5} "
-                          f"{'speedup':>8} {'ratio':>6} {'#wrong':>6} {'maxrelerr':>9}")
-                    for s in summary:
-                        util = f"{s['util']:.2f}" if s["util"] is not None else "-"
-                        sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
-                        print(f"{s['op']:>14} {s['compress']:>7} {s['size'] >> 20:>5}M "
-                              f"{s['time_s']:>9.3f} {util:>5} {sp:>8} {s['ratio'] or 0:>6.2f} "
-                              f"{s['wrong']:>6} {s['maxrelerr']:>9.2e}")
-                    for line in check(summary, slow=rate_bits <= 2e8):
-                        print("  " + line)
-    finally:
-        cluster.down()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    record = clusterlib.new_record(args.nodes, args.ranks_per_node, sizes=args.sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        def one_rate(rate: str, rate_bits: int) -> None:
+            for backend in args.backends.split(","):
+                doc = _bench(rate, backend, args, Path(tmp))
+                summary = summarize(doc, rate_bits, args.nodes, args.ranks_per_node)
+                record["runs"].append({"rate": rate, "backend": backend, "summary": summary, "bench": doc})
+                print(f"\n## {backend} at {rate} ({args.nodes} nodes x {args.ranks_per_node} ranks)")
+                print(f"{'op':>14} {'variant':>7} {'size':>6} {'time(s)':>9} {'util':>5} "
+                      f"{'speedup':>8} {'ratio':>6} {'#wrong':>6} {'maxrelerr':>9}")
+                for s in summary:
+                    util = f"{s['util']:.2f}" if s["util"] is not None else "-"
+                    sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+                    print(f"{s['op']:>14} {s['compress']:>7} {s['size'] >> 20:>5}M "
+                          f"{s['time_s']:>9.3f} {util:>5} {sp:>8} {s['ratio'] or 0:>6.2f} "
+                          f"{s['wrong']:>6} {s['maxrelerr']:>9.2e}")
+                for line in check(summary, slow=rate_bits <= 2e8):
+                    print("  " + line)
+
+        clusterlib.at_each_rate(args.nodes, args.rates, one_rate)
+    clusterlib.save(record, args.out)
     return 0
 
 

@@ -14,9 +14,7 @@ all of ZeRO++ >= 3x faster per step than stage 3, with <= 0.15 of its inter-node
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import clusterlib  # noqa: E402
 import train_bench  # noqa: E402
 from zpp import cluster  # noqa: E402
 
@@ -95,32 +94,26 @@ def main(argv=None) -> int:
         ap.error(f"unknown variants {bad}; choose from {list(train_bench.VARIANTS)}")
     if args.ds_python is None:
         variants = [v for v in variants if not v.startswith("deepspeed")]
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(), "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
-              "model": {k: getattr(args, k) for k in MODEL_ARGS}, "runs": []}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for rate in args.rates.split(","):
-                cluster.up(args.nodes, rate)
-                rows = {}
-                for v in variants:
-                    rows[v] = _variant(v, rate, args, Path(tmp))
-                    print(f"[{rate}] {v}: " + (rows[v].get("error") or f"{rows[v]['step_s']:.2f} s/step"),
-                          file=sys.stderr, flush=True)
-                slow = cluster.parse_rate(rate) <= 2e8
-                lines = check(rows, slow)
-                record["runs"].append({"rate": rate, "rows": list(rows.values()), "checks": lines})
-                params = next((r["params"] for r in rows.values() if "params" in r), "?")
-                print(f"\n## {rate}, {args.nodes} nodes x {args.ranks_per_node} ranks, GPT {args.n_layer} x "
-                      f"{args.n_embd}, {params} parameters, batch {args.batch} x {args.block} per rank")
-                train_bench.print_rows(list(rows.values()))
-                for line in lines:
-                    print("  " + line)
-    finally:
-        cluster.down()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    record = clusterlib.new_record(args.nodes, args.ranks_per_node,
+                                   model={k: getattr(args, k) for k in MODEL_ARGS})
+    with tempfile.TemporaryDirectory() as tmp:
+        def one_rate(rate: str, rate_bits: int) -> None:
+            rows = {}
+            for v in variants:
+                rows[v] = _variant(v, rate, args, Path(tmp))
+                print(f"[{rate}] {v}: " + (rows[v].get("error") or f"{rows[v]['step_s']:.2f} s/step"),
+                      file=sys.stderr, flush=True)
+            lines = check(rows, slow=rate_bits <= 2e8)
+            record["runs"].append({"rate": rate, "rows": list(rows.values()), "checks": lines})
+            params = next((r["params"] for r in rows.values() if "params" in r), "?")
+            print(f"\n## {rate}, {args.nodes} nodes x {args.ranks_per_node} ranks, GPT {args.n_layer} x "
+                  f"{args.n_embd}, {params} parameters, batch {args.batch} x {args.block} per rank")
+            train_bench.print_rows(list(rows.values()))
+            for line in lines:
+                print("  " + line)
+
+        clusterlib.at_each_rate(args.nodes, args.rates, one_rate)
+    clusterlib.save(record, args.out)
     return 0
 
 
