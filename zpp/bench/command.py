@@ -70,10 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Validate, then run the sweep here (under a launcher) or start the ranks."""
     parser: argparse.ArgumentParser = args.parser
-    try:
-        where = _launch.detect()
-    except ValueError as e:
-        parser.error(str(e))
+    where = _launch.detect_for(parser)
     quiet = where.rank != 0 or os.environ.get(_launch.CHILD_MARKER) == "1"
     variants, skipped = applicable(args.op, args.compress)
     if not variants:

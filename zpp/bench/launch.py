@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import multiprocessing as mp
@@ -84,6 +85,15 @@ def detect(env: Mapping[str, str] | None = None) -> Launch:
     if torchrun:
         return _torchrun(env)
     return Launch("alone", 0, 1)
+
+
+def detect_for(parser: argparse.ArgumentParser) -> Launch:
+    """:func:`detect` for a command: a launcher environment that does not add up is the
+    command's usage error (``parser.error``, exit code 2), on every rank."""
+    try:
+        return detect()
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def _torchrun(env: Mapping[str, str]) -> Launch:

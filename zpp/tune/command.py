@@ -99,10 +99,7 @@ def _mpi_available() -> bool:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     parser: argparse.ArgumentParser = args.parser
-    try:
-        where = _launch.detect()
-    except ValueError as e:
-        parser.error(str(e))
+    where = _launch.detect_for(parser)
     compress = ("none", "int8", "int4") + (("1bit",) if args.allow_1bit else ())
     try:
         cfg = BenchConfig(ops=args.ops, compress=compress, dtype=args.dtype, sizes=args.sizes,
