@@ -72,6 +72,23 @@ needs_mpi = [pytest.mark.mpi, pytest.mark.skipif(not mpi_available(), reason="ne
 BACKENDS = [pytest.param("torch", id="torch"), pytest.param("mpi", id="mpi", marks=needs_mpi)]
 
 
+def lose_peer(t: Any, mode: str, timeout_s: float, call: Callable[[], Any]) -> tuple[str, float, str] | None:
+    """Inside a world: rank 1 stops answering, the others find out. Rank 1 hangs past
+    ``timeout_s`` (``mode="hang"``) or leaves (``"exit"``: it returns, and the harness ends
+    its process) and returns None; every other rank runs ``call()`` and returns the
+    exception's type name ("no error" if none), the seconds the call took, and the message."""
+    if t.rank == 1:
+        if mode == "hang":
+            time.sleep(timeout_s + 3)
+        return None
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", time.monotonic() - start, ""
+
+
 def run_world(
     fn: Callable[..., Any],
     world_size: int,

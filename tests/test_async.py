@@ -5,12 +5,11 @@ started asynchronously equals the blocking one, and a dead peer raises TimeoutEr
 ``wait()`` (see [Note: asynchronous collectives] in :mod:`zpp.comm.transport`)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from tests.dist import BACKENDS, needs_mpi, run_world
+from tests.dist import BACKENDS, lose_peer, needs_mpi, run_world
 from zpp.comm.collectives import quantized_all_gather, quantized_all_gather_async
 from zpp.comm.transport import Transport
 
@@ -147,19 +146,8 @@ def test_one_rank_completes_at_once():
 
 
 def _dead_peer_world(t: Transport, mode: str, timeout_s: float):
-    x = torch.ones(4)
-    t.all_reduce(x)  # everyone is up
-    if t.rank == 1:
-        if mode == "hang":
-            time.sleep(timeout_s + 3)
-        return None
-    w = t.all_gather_async(torch.empty(2000), torch.ones(1000))
-    start = time.monotonic()
-    try:
-        w.wait()
-    except Exception as e:  # noqa: BLE001 - the type is the result
-        return type(e).__name__, time.monotonic() - start, str(e)
-    return "no error", time.monotonic() - start, ""
+    t.all_reduce(torch.ones(4))  # everyone is up
+    return lose_peer(t, mode, timeout_s, lambda: t.all_gather_async(torch.empty(2000), torch.ones(1000)).wait())
 
 
 @pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import zpp.comm.torch_backend as torch_backend
-from tests.dist import run_world
+from tests.dist import lose_peer, run_world
 from zpp.comm.topology import topology_of
 from zpp.comm.torch_backend import TorchTransport, duplex_from_env
 from zpp.comm.transport import Transport
@@ -199,19 +199,9 @@ def _dead_peer_world(t: Transport, op: str, mode: str, timeout_s: float) -> tupl
     n = t.world_size
     t.all_to_all(torch.empty(4 * n), torch.ones(4 * n))  # everyone is up; the reverse group exists
     t.reduce_scatter(torch.empty(4), torch.ones(4 * n))
-    if t.rank == 1:
-        if mode == "hang":
-            time.sleep(timeout_s + 3)
-        return None  # "exit": this rank leaves; the harness ends its process
-    start = time.monotonic()
-    try:
-        if op == "all_to_all":
-            t.all_to_all(torch.empty(1000 * n), torch.ones(1000 * n))
-        else:
-            t.reduce_scatter(torch.empty(1000), torch.ones(1000 * n))
-    except Exception as e:  # noqa: BLE001 - the type is the result
-        return type(e).__name__, time.monotonic() - start, str(e)
-    return "no error", time.monotonic() - start, ""
+    if op == "all_to_all":
+        return lose_peer(t, mode, timeout_s, lambda: t.all_to_all(torch.empty(1000 * n), torch.ones(1000 * n)))
+    return lose_peer(t, mode, timeout_s, lambda: t.reduce_scatter(torch.empty(1000), torch.ones(1000 * n)))
 
 
 # ---------------------------------------------------------------------- tests

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from tests.dist import BACKENDS, ROOT, needs_mpi, run_world
+from tests.dist import BACKENDS, ROOT, lose_peer, needs_mpi, run_world
 from zpp.comm.transport import Transport
 
 # (world_size, ranks_per_node); None = one node
@@ -227,18 +227,8 @@ def test_collectives(backend, world_size, per_node):
 
 
 def _dead_peer_world(t: Transport, mode: str, timeout_s: float):
-    x = torch.ones(4)
-    t.all_reduce(x)  # everyone is up
-    if t.rank == 1:
-        if mode == "hang":
-            time.sleep(timeout_s + 3)
-        return None  # "exit": this rank leaves; the harness ends its process
-    start = time.monotonic()
-    try:
-        t.all_reduce(torch.ones(1000))
-    except Exception as e:  # noqa: BLE001 - the type is the result
-        return type(e).__name__, time.monotonic() - start, str(e)
-    return "no error", time.monotonic() - start, ""
+    t.all_reduce(torch.ones(4))  # everyone is up
+    return lose_peer(t, mode, timeout_s, lambda: t.all_reduce(torch.ones(1000)))
 
 
 @pytest.mark.timeout(120)
