@@ -100,8 +100,11 @@ def _config(stage, clip=0.0, gas=1, lr=3e-3, bf16=False):
 
 
 def _zpp_losses(t, kind, batches, cfg):
+    """Train a zpp engine on ``batches``; its losses and the engine. The transport's wire
+    counters are reset after ``initialize``, so they hold the training steps' traffic."""
     model = _build(kind, t.rank)
     engine, _, _, _ = zz.initialize(model=model, config=cfg, transport=t)
+    t.counters.reset()
     losses = []
     for x, y in batches:
         loss = engine(x, y)

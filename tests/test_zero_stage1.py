@@ -3,27 +3,16 @@ updated parameters instead of an all-reduce and an all-gather (see [Note: stage 
 :mod:`zpp.zero.group`). Wire bytes from the transport's counters, losses against torch DDP,
 on 2 ranks and on 2 nodes x 2 ranks, with and without gradient accumulation."""
 import pytest
-import torch
 
-import zpp.zero as zz
 from tests.dist import run_world
-from tests.test_zero_engine import _batches, _build, _config, _ddp_losses, _rel
+from tests.test_zero_engine import _batches, _config, _ddp_losses, _rel, _zpp_losses
 from zpp.zero.shard import SHARD_ALIGN
 
 STEPS = 6
 
 
 def _run(t, stage, batches, gas=1):
-    model = _build("gpt", t.rank)
-    cfg = _config(stage, gas=gas)
-    engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
-    t.counters.reset()
-    losses = []
-    for x, y in batches:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses, engine = _zpp_losses(t, "gpt", batches, _config(stage, gas=gas))
     snap = t.counters.snapshot()
     steps = len(batches) // gas
     per_step = {op: (s.calls / steps, s.wire_bytes / steps, s.inter_bytes / steps) for op, s in snap.items()}
