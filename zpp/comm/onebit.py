@@ -37,11 +37,11 @@ the fixed latency of each, which dominates small tensors, is paid twice instead 
 """
 from __future__ import annotations
 
-
 import torch
 
-from zpp.comm.transport import Transport
 import zpp.quant as zq
+from zpp.comm.topology import topology_of
+from zpp.comm.transport import Transport
 from zpp.quant.reference import settle
 from zpp.quant.types import check_dtype
 
@@ -102,14 +102,10 @@ class OneBitAllReduce:
         self._all_signs, self._all_scales = u8(world * cb), f32(world)
         # Phase 2 in two hops (see the Note) on several nodes of several ranks; None: automatic.
         nodes = len(set(transport.nodes))
-        if hierarchical is None:
-            hierarchical = 1 < nodes < world
-        self.hierarchical = bool(hierarchical) and 1 < nodes < world
+        self.hierarchical = (hierarchical is None or bool(hierarchical)) and 1 < nodes < world
         self._topo = None
         if self.hierarchical:
-            from zpp.comm.topology import topology_of  # collective on first use: every rank is here
-
-            self._topo = topology_of(transport)
+            self._topo = topology_of(transport)  # collective on first use: every rank is here
             self._column = u8(self._topo.nodes * self._frame)  # my local rank's frame on each node
 
     def _unframe(self, frames: torch.Tensor, signs: torch.Tensor, scales: torch.Tensor) -> None:
