@@ -89,6 +89,23 @@ def lose_peer(t: Any, mode: str, timeout_s: float, call: Callable[[], Any]) -> t
     return "no error", time.monotonic() - start, ""
 
 
+def assert_peers_saw_loss(results: list, timeout_s: float, sockets_close: bool) -> None:
+    """:func:`lose_peer`'s results on a 3-rank world: rank 1 left; ranks 0 and 2 raised within
+    ``timeout_s + 4`` seconds, naming their rank, a TimeoutError after at least
+    ``timeout_s - 0.5`` s, or, where the lost peer's sockets close (``sockets_close``), a
+    ConnectionError or TimeoutError at any time."""
+    assert results[1] is None
+    for rank in (0, 2):
+        kind, elapsed, msg = results[rank]
+        if sockets_close:
+            assert kind in ("ConnectionError", "TimeoutError"), (rank, kind, msg)
+        else:
+            assert kind == "TimeoutError", (rank, kind, msg)
+            assert elapsed >= timeout_s - 0.5, (rank, elapsed)
+        assert elapsed < timeout_s + 4, (rank, elapsed)
+        assert f"rank {rank}" in msg, msg
+
+
 def run_world(
     fn: Callable[..., Any],
     world_size: int,

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from tests.dist import BACKENDS, ROOT, lose_peer, needs_mpi, run_world
+from tests.dist import BACKENDS, ROOT, assert_peers_saw_loss, lose_peer, needs_mpi, run_world
 from zpp.comm.transport import Transport
 
 # (world_size, ranks_per_node); None = one node
@@ -242,16 +242,8 @@ def test_dead_peer_raises_within_timeout(backend, mode):
         _dead_peer_world, 3, backend=backend, args=(mode, timeout_s),
         transport_kwargs={"timeout_s": timeout_s}, timeout=60,
     )
-    assert results[1] is None
-    for rank in (0, 2):
-        kind, elapsed, msg = results[rank]
-        if backend == "torch" and mode == "exit":  # the peer's sockets close: immediate
-            assert kind in ("ConnectionError", "TimeoutError"), (rank, kind, msg)
-        else:
-            assert kind == "TimeoutError", (rank, kind, msg)
-            assert elapsed >= timeout_s - 0.5, (rank, elapsed)
-        assert elapsed < timeout_s + 4, (rank, elapsed)
-        assert f"rank {rank}" in msg, msg
+    # gloo: the peer's sockets close when it exits; MPI and a hung peer: the timeout
+    assert_peers_saw_loss(results, timeout_s, sockets_close=backend == "torch" and mode == "exit")
 
 
 @pytest.mark.timeout(90)

@@ -105,13 +105,18 @@ def _zpp_losses(t, kind, batches, cfg):
     model = _build(kind, t.rank)
     engine, _, _, _ = zz.initialize(model=model, config=cfg, transport=t)
     t.counters.reset()
+    return train_steps(engine, batches), engine
+
+
+def train_steps(engine, batches):
+    """One training step per batch; the losses."""
     losses = []
     for x, y in batches:
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, engine
+    return losses
 
 
 def _rel(a, b):

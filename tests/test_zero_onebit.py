@@ -23,6 +23,7 @@ import zpp.optim as zo
 import zpp.zero as zz
 from tests.dist import run_world
 from tests.gpt import GPT, CharCorpus, GPTConfig
+from tests.test_zero_engine import train_steps
 from zpp.zero.config import OPTIMIZER_PARAMS, TrainConfig, from_deepspeed
 
 NAMES = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
@@ -238,17 +239,6 @@ def test_engine_matches_direct_optimizer():
 SAVE_AT = {"OneBitAdam": 11, "ZeroOneAdam": 17, "OneBitLamb": 11}  # all in compression; 0/1 Adam: 16 < 17 < 20
 
 
-def _steps(engine, batches):
-    """One training step per batch; the losses."""
-    losses = []
-    for x, y in batches:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _resume(t, root):
     out = {}
     batches = _batches(t.rank, STEPS)
@@ -264,14 +254,14 @@ def _resume(t, root):
         t.all_gather(both, mine)
         out[f"{name}-ranks-differ"] = not torch.equal(both[:mine.numel()], both[mine.numel():])
         engine.save_checkpoint(d, tag="ck")
-        straight = _steps(engine, batches[SAVE_AT[name]:])
+        straight = train_steps(engine, batches[SAVE_AT[name]:])
         torch.manual_seed(999)  # other initial weights: the checkpoint must overwrite them
         fresh = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
         engine2, opt2, _, _ = zz.initialize(model=fresh, config=_ds(name), transport=t)
         engine2.load_checkpoint(d)
         assert engine2.global_steps == SAVE_AT[name] and opt2.step_count == SAVE_AT[name]
         assert opt2.compressor is not None  # this rank's error-feedback buffers came back
-        out[name] = (straight, _steps(engine2, batches[SAVE_AT[name]:]))
+        out[name] = (straight, train_steps(engine2, batches[SAVE_AT[name]:]))
     # a checkpoint without 1-bit state (another optimizer's) is refused
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, _, _, _ = zz.initialize(model=_gpt(), config=cfg, transport=t)
