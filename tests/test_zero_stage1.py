@@ -1,6 +1,6 @@
 """Stage 1 moves DDP's bytes: a reduce-scatter of the gradients and an all-gather of the
 updated parameters instead of an all-reduce and an all-gather (see [Note: stage 1 bytes] in
-:mod:`zpp.zero.group`). Wire bytes from the transport's counters, losses against torch DDP,
+:mod:`zpp.zero.unit`). Wire bytes from the transport's counters, losses against torch DDP,
 on 2 ranks and on 2 nodes x 2 ranks, with and without gradient accumulation."""
 import pytest
 

@@ -1,11 +1,10 @@
 """ZeRO stage 0-3 engine with the ZeRO++ switches (qwZ, hpZ, qgZ), DeepSpeed-compatible.
 
-Modules: :mod:`~zpp.zero.config` (typed config, DeepSpeed translation),
-:mod:`~zpp.zero.shard` (flat shard state), :mod:`~zpp.zero.group` (the unit and its
-collectives), :mod:`~zpp.zero.engine` (hooks, step, :func:`initialize`),
-:mod:`~zpp.zero.checkpoint` (sharded, reshardable checkpoints),
-:mod:`~zpp.zero.schedulers` (WarmupLR, WarmupDecayLR).
+:func:`initialize` (:mod:`~zpp.zero.api`) builds a :class:`ZeroEngine`
+(:mod:`~zpp.zero.engine`, whose docstring maps every concern to its module) from a
+DeepSpeed-style config (:mod:`~zpp.zero.config`).
 """
+from zpp.zero.api import initialize
 from zpp.zero.config import (
     OptimizerConfig,
     SchedulerConfig,
@@ -14,12 +13,14 @@ from zpp.zero.config import (
     ZppConfig,
     from_deepspeed,
 )
-from zpp.zero.engine import ZeroEngine, initialize
+from zpp.zero.engine import ZeroEngine
+from zpp.zero.policy import ShardingPolicy
 from zpp.zero.schedulers import WarmupDecayLR, WarmupLR
 
 __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
+    "ShardingPolicy",
     "TrainConfig",
     "WarmupDecayLR",
     "WarmupLR",

@@ -8,6 +8,8 @@ Layout of ``save_dir/tag/``::
     meta.json                world size, stage, steps, units (human-readable)
     meta.pt                  buffers, optimizer hyper-parameters, scheduler state
 
+    onebit_optim_rank00000.pt ...   with a 1-bit optimizer: each rank's optimizer state
+
 and ``save_dir/latest`` names the newest tag. Every file is written to a temporary name and
 ``os.replace``-d into place; rank 0 writes ``meta.*`` only after every rank's shard is in
 place (a barrier), and ``latest`` last, so a crash never leaves a checkpoint that looks
@@ -19,9 +21,18 @@ unit's flat buffer it covers. Loading reads every old shard file, concatenates t
 each unit and cuts the result into per-parameter vectors by name; each rank then rebuilds
 its own units (whatever the new world size, stage or bucket size) from those vectors and
 keeps its owned range. The transient cost is one full copy of the model states per rank.
+
+[Note: 1-bit optimizer state]
+With a 1-bit optimizer (see [Note: 1-bit optimizers] in :mod:`zpp.zero.optimizer`) each
+rank first writes ``onebit_optim_rankR.pt``, its optimizer ``state_dict`` (error-feedback
+buffers, phase and counters, and its own weights), before the collective part, so
+``latest`` never names a checkpoint without them. At the same world size every rank
+restores its own file and weights; at another world size every rank loads rank 0's (the
+replicated state; error feedback restarts, and the optimizer warns).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 from pathlib import Path
@@ -29,6 +40,7 @@ from pathlib import Path
 import torch
 
 FORMAT = 1
+_ONEBIT_STATE = "onebit_optim_rank{:05d}.pt"
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -56,6 +68,9 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None)
     root = Path(save_dir)
     path = root / tag
     path.mkdir(parents=True, exist_ok=True)
+    if engine.onebit_views is not None:  # first: the barrier below then precedes meta and latest
+        _atomic_save({"rank": world.rank, "world_size": world.world_size,
+                      "optimizer": engine.optimizer.state_dict()}, path / _ONEBIT_STATE.format(world.rank))
     opt = engine.optimizer
     units = []
     for u in engine.units:
@@ -83,7 +98,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None)
                      path / "meta.pt")
         meta = {
             "format": FORMAT, "world_size": world.world_size, "stage": engine.config.zero.stage,
-            "degree": engine.ctx.degree, "global_steps": engine.global_steps,
+            "degree": engine.comms.degree, "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps, "precision": engine.config.precision,
             "units": [{"names": e["names"], "numels": e["numels"], "trainable": e["trainable"]} for e in units],
         }
@@ -139,6 +154,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None)
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"load_checkpoint: format={meta.get('format')} in {meta_path}, expected {FORMAT}")
+    onebit = _onebit_state_file(engine, path, meta) if engine.onebit_views is not None else None
     by_name = _collect(path, meta)
     missing = [n for u in engine.units for n in u.names if n not in by_name]
     if missing:
@@ -177,4 +193,45 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None)
     engine.global_steps = int(meta["global_steps"])
     engine.micro_steps = int(meta["micro_steps"])
     engine.zero_grad()
+    if onebit is not None:  # see [Note: 1-bit optimizer state]
+        engine.optimizer.load_state_dict(torch.load(onebit, map_location="cpu", weights_only=False)["optimizer"])
+        engine.optimizer.flat.write_params()  # this rank's own weights (0/1 Adam's local steps)
+        for u in engine.units:
+            if u.trainable:
+                u.publish()
     return str(path)
+
+
+def _onebit_state_file(engine, path: Path, meta: dict) -> Path:
+    """The 1-bit optimizer state this rank loads (its own, or rank 0's at another world
+    size); checked before anything is loaded."""
+    world = engine.world
+    f = path / _ONEBIT_STATE.format(world.rank if meta["world_size"] == world.world_size else 0)
+    if not f.exists():
+        raise FileNotFoundError(
+            f"load_checkpoint: {f} missing: the checkpoint holds no {type(engine.optimizer).__name__} state "
+            "(saved with another optimizer?); load the module's weights and start the optimizer afresh instead")
+    return f
+
+
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The full model ``state_dict`` (every key, tied names included), on every rank.
+    Collective with sharded parameters (gathers one unit at a time, exact)."""
+    from zpp.zero.comm_api import Phase
+
+    keys = list(engine.module.state_dict(keep_vars=True).keys())
+    names: dict[int, list[str]] = collections.defaultdict(list)
+    for n, p in engine.module.named_parameters(remove_duplicate=False):
+        names[id(p)].append(n)
+    out: dict[str, torch.Tensor] = {}
+    for u in engine.units:
+        was = u.gathered
+        u.gather(Phase.EXACT)  # full precision, from the primary shards
+        for p in u.params:
+            for n in names[id(p)]:
+                out[n] = p.detach().clone()
+        if not was:
+            u.release()
+    for n, b in engine.module.named_buffers(remove_duplicate=False):
+        out[n] = b.detach().clone()
+    return {k: out[k] for k in keys if k in out}

@@ -45,7 +45,7 @@ OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
     """What ZeRO shards and which ZeRO++ compressions are on."""
 
@@ -93,7 +93,7 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig: {', '.join(on)} need stage=3, got stage={self.stage}")
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ZppConfig:
     """zpp's own knobs (the ``"zpp"`` section of a DeepSpeed-style config)."""
 
@@ -122,6 +122,16 @@ class ZppConfig:
     all-gather of checksums) (Default: True)."""
     check_metadata: bool | None = None
     """Set the transport's per-call metadata check; None leaves it as it is (Default: None)."""
+    reshard_after_forward: bool = True
+    """Stage 3: release each module's gathered parameters after its forward and gather them
+    again for its backward (ZeRO-3), or keep them until its gradients are reduced (one
+    gather per pass, more memory) (Default: True)."""
+    weight_gather: str | None = None
+    """Stage 3: the forward weight gather by name (see :mod:`zpp.zero.gather`); None: "qwz"
+    with ``zero_quantized_weights``, else "plain" (Default: None)."""
+    gradient_reduce: str | None = None
+    """The gradient reduction by name (see :mod:`zpp.zero.reduce`); None: from the stage,
+    ``zero_quantized_gradients`` and the optimizer (Default: None)."""
 
     def __post_init__(self) -> None:
         for name in ("weight_bits", "gradient_bits"):
@@ -135,13 +145,18 @@ class ZppConfig:
         u = self.unit_min_numel
         if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(f"ZppConfig: unit_min_numel={u!r} must be an integer >= 0")
-        if not isinstance(self.prefetch, bool):
-            raise ValueError(f"ZppConfig: prefetch={self.prefetch!r} must be true or false")
+        for name in ("prefetch", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZppConfig: {name}={getattr(self, name)!r} must be true or false")
+        for name in ("weight_gather", "gradient_reduce"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"ZppConfig: {name}={v!r} must be a name or null")
         if not isinstance(self.transport, str) or not self.transport:
             raise ValueError(f"ZppConfig: transport={self.transport!r} must be a transport name")
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerConfig:
     """The optimizer the engine builds over its fp32 master shards."""
 
@@ -149,7 +164,7 @@ class OptimizerConfig:
     """Lower-case optimizer name; DeepSpeed's "Adam" with ``adam_w_mode`` (its default)
     becomes "adamw". The 1-bit ones are built from :mod:`zpp.optim` on the engine's
     transport and do their own communication (ZeRO stage 0 only; see [Note: 1-bit
-    optimizers] in :mod:`zpp.zero.engine`)."""
+    optimizers] in :mod:`zpp.zero.optimizer`)."""
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of the optimizer (lr, betas, eps, weight_decay, momentum,
     freeze_step...); see ``OPTIMIZER_PARAMS``."""
@@ -171,7 +186,7 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig: params.lr={lr!r} must be a non-negative number")
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerConfig:
     """A learning-rate schedule with DeepSpeed's names and parameters."""
 
@@ -197,7 +212,7 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig: params.warmup_type={wt!r} must be 'log' or 'linear'")
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """Everything :func:`zpp.initialize` needs to build an engine."""
 
@@ -211,7 +226,7 @@ class TrainConfig:
     """Clip gradients to this global L2 norm before the step; 0 turns it off (Default: 0).
     With a 1-bit optimizer the averaged gradient never exists outside the optimizer, so the
     norm clipped is ``sqrt(mean over ranks of ||local gradient||^2)``, an upper bound of the
-    averaged gradient's norm (see [Note: 1-bit optimizers] in :mod:`zpp.zero.engine`)."""
+    averaged gradient's norm (see [Note: 1-bit optimizers] in :mod:`zpp.zero.optimizer`)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Parameter dtype during training: "bf16" casts the model to bfloat16 and keeps fp32
     master weights (Default: "fp32")."""

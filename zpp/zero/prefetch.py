@@ -11,7 +11,7 @@ gathered already) is one entry ``(unit index, phase)`` of the pass's sequence.
   small collective, with the transport's metadata check on).
 * In a later pass, entry ``i`` asked for is compared with the trace's entry ``i``. While
   they agree, after serving entry ``i`` the engine starts the gathers of trace entries
-  ``i + 1, i + 2, ...`` (:meth:`Unit.start_gather <zpp.zero.group.Unit.start_gather>`, on
+  ``i + 1, i + 2, ...`` (:meth:`Unit.start_gather <zpp.zero.unit.Unit.start_gather>`, on
   the transport's asynchronous all-gather) as long as the started-but-not-yet-used units
   hold at most ``stage3_prefetch_bucket_size`` elements, stopping at the first entry whose
   unit is still gathered or in flight (it is started at a later entry). The hook asking
@@ -42,10 +42,11 @@ import zlib
 from collections.abc import Sequence
 
 from zpp.comm.transport import Transport
-from zpp.zero.group import Unit
+from zpp.zero.comm_api import Phase
+from zpp.zero.unit import Unit
 from zpp.zero.shard import ShardState
 
-Entry = tuple[int, str]  # (unit index, phase)
+Entry = tuple[int, Phase]  # (unit index, phase)
 
 
 @dataclasses.dataclass(slots=True)
@@ -115,7 +116,7 @@ class Prefetcher:
         self._matching = self.enabled and grad in self._traces
         self._next = 0
 
-    def gather(self, unit: Unit, phase: str) -> None:
+    def gather(self, unit: Unit, phase: Phase) -> None:
         """A hook needs ``unit`` gathered for ``phase``."""
         f = unit.flat
         if f.state is ShardState.GATHERED:
@@ -133,7 +134,7 @@ class Prefetcher:
         if unit.index in self._started:
             self._started.discard(unit.index)
             self._started_numel -= unit.layout.padded_numel
-            if unit.inflight[0] == phase:
+            if unit.inflight.phase is phase:
                 self.stats.hits += 1
             else:
                 self.stats.dropped += 1  # Unit.gather drops it and gathers again

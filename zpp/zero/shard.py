@@ -41,7 +41,7 @@ class ShardState(enum.Enum):
     """Only the owned shard is held; parameters' ``.data`` are empty (stage 3 between uses)."""
     GATHERING = "gathering"
     """An asynchronous gather (a prefetch) is writing into ``full``; parameters' ``.data``
-    are still empty. The unit's :meth:`~zpp.zero.group.Unit.gather` waits for it."""
+    are still empty. The unit's :meth:`~zpp.zero.unit.Unit.gather` waits for it."""
     GATHERED = "gathered"
     """The full buffer is valid and every parameter's ``.data`` is a view of it."""
 

@@ -1,0 +1,221 @@
+"""The engine's pluggable pieces on their own: the sharding policy, each weight gather
+(:mod:`zpp.zero.gather`) and each gradient reduction (:mod:`zpp.zero.reduce`) against a
+plain reference, on a real 2 nodes x 2 gloo world; and ``zpp.reshard_after_forward``.
+
+References: the plain gather must give the full buffer every rank built from one seed; qwZ
+every rank's ``dequantize(quantize(shard))`` computed here with zpp.quant; hpZ the world
+gather's result, then the same result again from inside the node with no inter-node byte;
+the reductions the fp64 mean of every rank's gradient (each rank rebuilds the others' from
+their seeds) or, for qgZ, the plain-torch simulation of the algorithm in test_collectives.
+"""
+import pytest
+import torch
+
+import zpp.quant as zq
+import zpp.zero as zz
+from tests.dist import run_world
+from tests.gpt import GPT, GPTConfig
+from tests.test_collectives import _simulate_qgz
+from tests.test_zero_engine import _batches, train_steps
+from zpp.comm.collectives import effective_group_size
+from zpp.comm.topology import topology_of
+from zpp.zero.comm_api import Comms, Phase
+from zpp.zero.config import from_deepspeed
+from zpp.zero.gather import GATHERS, PlainGather, QuantizedGather, SecondaryGather, build_gathers
+from zpp.zero.policy import ShardingPolicy
+from zpp.zero.reduce import REDUCES, build_reduce
+from zpp.zero.shard import FlatLayout, FlatShard, SecondaryState
+
+NUMELS = (5, 1000, 12345)  # odd, one group, many groups
+
+
+def _flat(t, numel, dtype=torch.float32):
+    """A FlatShard holding this rank's range of one full buffer (the same on every rank)."""
+    layout = FlatLayout(["w"], [torch.Size([numel])], t.world_size)
+    full = torch.zeros(layout.padded_numel, dtype=dtype)
+    full[:numel] = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    f = FlatShard(layout, t.rank, dtype)
+    f.shard = full[layout.owned(t.rank)].clone()
+    return f, full
+
+
+def _gather(strategy, f):
+    out = torch.full((f.layout.padded_numel,), float("nan"), dtype=f.dtype)
+    strategy.start(f, out).wait()
+    strategy.finish(f, out)
+    return out
+
+
+def _comms(t, topo, ds):
+    return Comms(world=t, topology=topo, config=from_deepspeed(ds))
+
+
+def _check_gathers(t):
+    topo = topology_of(t)
+    comms = _comms(t, topo, {"zero_optimization": {"stage": 3}, "zpp": {"weight_bits": 4, "weight_group_size": 64}})
+    plain, qwz = PlainGather(comms), QuantizedGather(comms)
+    for numel in NUMELS:
+        f, full = _flat(t, numel)
+        assert torch.equal(_gather(plain, f), full), numel
+        # qwZ: every rank's shard through the pure-torch quantizer, in rank order
+        lay = f.layout
+        gs = effective_group_size(min(64, lay.shard_numel), lay.shard_numel)
+        want = torch.cat([zq.dequantize(zq.quantize(full[lay.owned(r)], bits=4, group_size=gs))
+                          for r in range(t.world_size)])
+        got = _gather(qwz, f)
+        assert torch.equal(got, want), numel
+        assert not torch.equal(got, full), numel  # int4 does change the weights
+        # hpZ over either: the world gather, then the same from the node's secondary shards
+        for inner, expect in ((plain, full), (qwz, want)):
+            hpz = SecondaryGather(comms, inner)
+            f.invalidate_secondary()
+            t.counters.reset()
+            first = _gather(hpz, f)
+            assert torch.equal(first, expect), numel
+            assert f.secondary_state is SecondaryState.VALID
+            n = lay.padded_numel // topo.ranks_per_node
+            assert torch.equal(f.secondary, expect[topo.local_rank * n:(topo.local_rank + 1) * n])
+            assert t.counters.total().inter_bytes > 0
+            t.counters.reset()
+            topo.intra.counters.reset()
+            second = _gather(hpz, f)
+            assert torch.equal(second, expect), numel
+            assert t.counters.total().inter_bytes == 0 and topo.intra.counters.total().inter_bytes == 0
+            assert topo.intra.counters.total().intra_bytes + t.counters.total().intra_bytes > 0
+    return True
+
+
+def _check_reduces(t):
+    topo = topology_of(t)
+    W = t.world_size
+    for numel in NUMELS:
+        layout = FlatLayout(["g"], [torch.Size([numel])], W)
+        everyone = torch.zeros(W, layout.padded_numel)
+        for r in range(W):
+            everyone[r, :numel] = torch.randn(numel, generator=torch.Generator().manual_seed(10 * numel + r)) * (1 + r)
+        mean = everyone.double().mean(0).float()
+        own = layout.owned(t.rank)
+        for name in ("all_reduce", "reduce_scatter", "qgz", "local"):
+            comms = _comms(t, topo, {"zero_optimization": {"stage": 3},
+                                     "zpp": {"gradient_bits": 4, "gradient_group_size": 64}})
+            mine = everyone[t.rank].clone()
+            got = REDUCES[name](comms)(mine, layout if name != "all_reduce" else
+                                       FlatLayout(["g"], [torch.Size([numel])], 1))
+            if name == "all_reduce":
+                torch.testing.assert_close(got, mean, rtol=1e-6, atol=1e-6)
+            elif name == "reduce_scatter":
+                torch.testing.assert_close(got, mean[own], rtol=1e-6, atol=1e-6)
+            elif name == "qgz":
+                sim = _simulate_qgz(everyone, topo, 4, min(64, layout.shard_numel))
+                torch.testing.assert_close(got, sim, rtol=1e-6, atol=1e-7)
+                if numel == NUMELS[-1]:  # every rank's range holds data: quantization shows
+                    assert float((got - mean[own]).abs().max()) > 0
+            else:
+                assert torch.equal(got, everyone[t.rank])  # nothing communicated
+    return True
+
+
+def _all(t):
+    return _check_gathers(t) and _check_reduces(t)
+
+
+def test_strategies_against_references():
+    assert run_world(_all, 4, ranks_per_node=2, timeout=150) == [True] * 4
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_policy_of_each_stage(stage):
+    p = ShardingPolicy.from_config(from_deepspeed({"zero_optimization": {"stage": stage}}))
+    assert (p.shard_optimizer_state, p.shard_gradients, p.shard_parameters) == (stage >= 1, stage >= 2, stage == 3)
+    assert p.reduce_each_micro_step == (stage >= 2)
+    assert p.gather_after_step == (stage in (1, 2))
+    assert p.degree(4) == (4 if stage else 1)
+    with pytest.raises(AttributeError):
+        p.shard_parameters = not p.shard_parameters  # frozen
+
+
+def test_policy_rejects_impossible_combinations():
+    with pytest.raises(ValueError, match="shard_gradients=True needs shard_optimizer_state"):
+        ShardingPolicy(shard_gradients=True)
+    with pytest.raises(ValueError, match="shard_parameters=True needs shard_gradients"):
+        ShardingPolicy(shard_optimizer_state=True, shard_parameters=True)
+    with pytest.raises(ValueError, match="secondary_degree=2 needs shard_parameters"):
+        ShardingPolicy(secondary_degree=2)
+    with pytest.raises(ValueError, match="secondary_degree=0"):
+        ShardingPolicy(secondary_degree=0)
+
+
+class _OneRank:
+    """What the registries read of a world and its topology before anything is communicated."""
+
+    world_size, rank, ranks_per_node = 4, 0, 2
+
+
+def _pick(ds):
+    cfg = from_deepspeed(ds)
+    comms = Comms(world=_OneRank(), topology=_OneRank(), config=cfg)
+    policy = ShardingPolicy.from_config(cfg)
+    gathers = build_gathers(comms, policy)
+    return {ph: repr(g) for ph, g in gathers.items()}, type(build_reduce(comms, policy)).name
+
+
+def test_registries_pick_from_the_config():
+    assert _pick({"zero_optimization": {"stage": 0}}) == ({}, "all_reduce")
+    assert _pick({"zero_optimization": {"stage": 2}}) == ({}, "reduce_scatter")
+    g, r = _pick({"zero_optimization": {"stage": 3}})
+    assert g == {Phase.FORWARD: "PlainGather()", Phase.BACKWARD: "PlainGather()", Phase.EXACT: "PlainGather()"}
+    assert r == "reduce_scatter"
+    g, r = _pick({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                        "zero_hpz_partition_size": 2}})
+    assert g[Phase.FORWARD].startswith("SecondaryGather(QuantizedGather(bits=8")
+    assert g[Phase.BACKWARD].startswith("SecondaryGather(PlainGather()")
+    assert g[Phase.EXACT] == "PlainGather()" and r == "qgz"
+    assert _pick({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}})[1] == "local"
+    # by name
+    g, _ = _pick({"zero_optimization": {"stage": 3}, "zpp": {"weight_gather": "qwz"}})
+    assert g[Phase.FORWARD].startswith("QuantizedGather")
+    assert set(GATHERS) == {"plain", "qwz"} and set(REDUCES) == {"all_reduce", "reduce_scatter", "qgz", "local"}
+
+
+@pytest.mark.parametrize("ds, match", [
+    ({"zero_optimization": {"stage": 3}, "zpp": {"weight_gather": "int3"}}, r"weight_gather='int3'.*choices"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}, "zpp": {"weight_gather": "plain"}},
+     "contradicts zero_quantized_weights"),
+    ({"zero_optimization": {"stage": 2}, "zpp": {"gradient_reduce": "nope"}}, r"gradient_reduce='nope'.*choices"),
+    ({"zero_optimization": {"stage": 0}, "zpp": {"gradient_reduce": "reduce_scatter"}}, "does not fit ZeRO stage 0"),
+    ({"zero_optimization": {"stage": 0}, "zpp": {"gradient_reduce": "local"}}, "'local' goes with the 1-bit"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}, "zpp": {"gradient_reduce": "reduce_scatter"}},
+     "contradicts zero_quantized_gradients"),
+])
+def test_registries_refuse_bad_names(ds, match):
+    with pytest.raises(ValueError, match=match):
+        _pick(ds)
+
+
+def _reshard(t):
+    """Stage 3 with and without resharding after forward: the same losses; without it no
+    backward gather (all-gather bytes about halved)."""
+    out = {}
+    batches = _batches("gpt", t.rank, 6)
+    for reshard in (True, False):
+        torch.manual_seed(1234)
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+        cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 3},
+               "zpp": {"reshard_after_forward": reshard, "prefetch": False}}
+        engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
+        t.counters.reset()
+        losses = train_steps(engine, batches)
+        gathered = t.counters.snapshot()["all_gather"].logical_bytes
+        with torch.no_grad():  # evaluation releases what it gathered either way
+            engine(*batches[0])
+        assert not any(u.gathered for u in engine.units)
+        out[reshard] = (losses, gathered)
+        engine.close()
+    return out
+
+
+def test_reshard_after_forward_false_skips_the_backward_gather():
+    for r in run_world(_reshard, 2, timeout=150):
+        (l1, g1), (l0, g0) = r[True], r[False]
+        assert l1 == l0  # bit-identical losses: the same weights, gathered once instead of twice
+        assert g0 < 0.6 * g1, (g0, g1)

@@ -1,0 +1,83 @@
+"""The two pluggable collectives of a unit: how weights are gathered, how gradients are reduced.
+
+A unit (:mod:`zpp.zero.unit`) holds a flat buffer cut into shards; the engine picks, once,
+one :class:`WeightGather` per :class:`Phase` and one :class:`GradReduce` (see
+:func:`zpp.zero.gather.build_gathers` and :func:`zpp.zero.reduce.build_reduce`) and every
+unit calls them. A new variant is one file in ``zpp/zero/gather/`` or ``zpp/zero/reduce/``
+and one line in that package's registry; a config names it (``zpp.weight_gather``,
+``zpp.gradient_reduce``).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from zpp.comm.transport import Transport, Work
+from zpp.zero.config import TrainConfig
+
+if TYPE_CHECKING:
+    from zpp.comm.topology import Topology
+    from zpp.zero.shard import FlatLayout, FlatShard
+
+
+class Phase(enum.Enum):
+    """Why a unit's full weights are gathered."""
+
+    FORWARD = "forward"
+    """Before a module's forward (ZeRO++'s qwZ may quantize it)."""
+    BACKWARD = "backward"
+    """Before a module's backward (full precision; hpZ keeps it inside the node)."""
+    EXACT = "exact"
+    """Full precision from the primary shards, never from a secondary copy (consolidating
+    a state dict, reading parameters outside training)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Comms:
+    """What a strategy may communicate over, fixed when the engine is built."""
+
+    world: Transport
+    """Every data-parallel rank."""
+    topology: Topology | None
+    """The node structure of ``world`` where a strategy needs it (hpZ, qgZ), else None."""
+    config: TrainConfig
+    """The engine's configuration (bits, group sizes)."""
+
+
+class WeightGather(abc.ABC):
+    """Fills a unit's full flat buffer from the shards of every rank."""
+
+    name: str = ""
+    """The registry name (``zpp.weight_gather``)."""
+
+    @abc.abstractmethod
+    def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
+        """Start filling ``full`` (``flat.layout.padded_numel`` elements, ``flat.dtype``)
+        from ``flat.shard`` and the other ranks'; return the work to wait for."""
+
+    def finish(self, flat: FlatShard, full: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """After the work completed: keep what the strategy keeps from ``full`` (hpZ's
+        secondary slice). Default: nothing."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class GradReduce(abc.ABC):
+    """Averages a unit's flat fp32 gradient over the ranks into what this rank keeps."""
+
+    name: str = ""
+    """The registry name (``zpp.gradient_reduce``)."""
+
+    @abc.abstractmethod
+    def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+        """``flat``: this rank's gradient of the whole unit, ``layout.padded_numel`` fp32
+        elements (the callee may reuse it). Returns the mean over ranks of the range this
+        rank owns (``layout.shard_numel`` elements; all of it when ``layout.degree`` is 1)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,60 @@
+"""Weight gathers (stage 3), one file each, chosen once per engine by :func:`build_gathers`.
+
+==========  =======================================  =============================
+name        what crosses the wire                    file
+==========  =======================================  =============================
+``plain``   the shards, in the parameters' dtype     :mod:`~zpp.zero.gather.plain`
+``qwz``     int8/int4 codes + fp32 group scales      :mod:`~zpp.zero.gather.qwz`
+(hpZ)       wraps either: later gathers stay in      :mod:`~zpp.zero.gather.hpz`
+            the node until the optimizer step
+==========  =======================================  =============================
+
+The forward gather is ``zpp.weight_gather`` when set, else ``qwz`` with
+``zero_quantized_weights`` and ``plain`` without; the backward gather is ``plain`` (ZeRO++
+keeps the backward in full precision); both are wrapped by hpZ when
+``zero_hpz_partition_size > 1``. :attr:`Phase.EXACT` is always ``plain`` from the primary
+shards. Adding a variant: a file here and a line in ``GATHERS``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from zpp.zero.comm_api import Comms, Phase, WeightGather
+from zpp.zero.gather.hpz import SecondaryGather
+from zpp.zero.gather.plain import PlainGather
+from zpp.zero.gather.qwz import QuantizedGather
+from zpp.zero.policy import ShardingPolicy
+
+__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers"]
+
+#: name -> factory(comms)
+GATHERS: dict[str, Callable[[Comms], WeightGather]] = {
+    "plain": PlainGather,
+    "qwz": QuantizedGather,
+}
+
+
+def forward_gather_name(comms: Comms) -> str:
+    """The configured forward gather (see the module docstring); ValueError if unknown."""
+    zero, name = comms.config.zero, comms.config.zpp.weight_gather
+    if name is None:
+        return "qwz" if zero.quantized_weights else "plain"
+    if name not in GATHERS:
+        raise ValueError(f"zpp.weight_gather={name!r} is not a weight gather; choices: {sorted(GATHERS)}")
+    if zero.quantized_weights and name != "qwz":
+        raise ValueError(f"zpp.weight_gather={name!r} contradicts zero_quantized_weights=true (which is 'qwz'); "
+                         "set one of them")
+    return name
+
+
+def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGather]:
+    """The gather of each phase for an engine (stage 3); empty without sharded parameters."""
+    if not policy.shard_parameters:
+        return {}
+    plain = PlainGather(comms)
+    name = forward_gather_name(comms)
+    forward = plain if name == "plain" else GATHERS[name](comms)
+    backward = plain
+    if policy.secondary_degree > 1:
+        forward, backward = SecondaryGather(comms, forward), SecondaryGather(comms, backward)
+    return {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.EXACT: plain}

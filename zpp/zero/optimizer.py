@@ -1,0 +1,130 @@
+"""Building the optimizer and the learning-rate schedule over the engine's fp32 master shards.
+
+The engine's optimizer never sees the model's parameters: it steps the fp32 masters of the
+units this rank owns (one flat tensor per trainable unit), built from the config's
+``optimizer`` section or rebuilt from a torch optimizer / factory the caller passes.
+
+[Note: 1-bit optimizers]
+``optimizer.type`` OneBitAdam, ZeroOneAdam or OneBitLamb (ZeRO stage 0 only; TrainConfig
+says why) builds :mod:`zpp.optim`'s optimizer on the engine's transport. It averages the
+gradients itself (full precision in warm-up, 1-bit compressed afterwards), so:
+
+* the engine never averages gradients: its reduction is
+  :class:`~zpp.zero.reduce.local.LocalGrad`, so at the accumulation boundary each unit's
+  locally accumulated gradient (the micro-steps' ``loss / gas`` gradients summed in
+  ``.grad``) moves to its fp32 ``flat.grad`` as it is, and the optimizer communicates
+  once per step;
+* the optimizer is built over one fp32 view of the unit masters per model parameter
+  (:class:`OneBitView`), in model order, so it sees what it would see on a plain model:
+  1-bit LAMB's trust ratios stay per parameter tensor and no bucket padding enters the
+  1-bit buffer;
+* gradient clipping uses the rms of the ranks' local norms (see :mod:`zpp.zero.gradnorm`);
+* checkpoints: every rank writes its optimizer ``state_dict`` (error-feedback buffers,
+  phase and counters, and its own weights, which differ between ranks between 0/1 Adam's
+  syncs); see [Note: 1-bit optimizer state] in :mod:`zpp.zero.checkpoint`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from zpp.comm.transport import Transport
+from zpp.optim._common import FusedOneBitOptimizer
+from zpp.zero.config import ONEBIT_OPTIMIZERS, OptimizerConfig, TrainConfig
+from zpp.zero.schedulers import build_scheduler
+from zpp.zero.shard import Slot
+from zpp.zero.unit import Unit
+
+#: the torch optimizers a config may name (lower-case ``type``)
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}
+
+
+class OneBitView(NamedTuple):
+    """One model parameter as a 1-bit optimizer sees it: a view of its unit's fp32 master."""
+
+    unit: Unit
+    slot: Slot
+    param: torch.nn.Parameter
+
+
+def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit],
+                    world: Transport) -> tuple[torch.optim.Optimizer, tuple[OneBitView, ...] | None]:
+    """The optimizer over the trainable units' masters, and the 1-bit views when the
+    optimizer is a 1-bit one from the config (None otherwise).
+
+    ``given``: a torch optimizer (rebuilt with its ``defaults`` over the masters) or a
+    factory ``params -> optimizer``; only when the config has no ``optimizer``."""
+    cfg = config.optimizer
+    if cfg is not None and given is not None:
+        raise ValueError("zpp.initialize: an optimizer is given both in the config and as optimizer=")
+    if cfg is not None and cfg.onebit:
+        views = _onebit_views(units)
+        return _build_onebit(cfg, [v.param for v in views], world), views
+    masters = [u.flat.master for u in units if u.trainable]
+    if cfg is not None:
+        return OPTIMIZERS[cfg.type](masters, **cfg.params), None
+    if given is None:
+        raise ValueError("zpp.initialize: no optimizer: pass optimizer= or set config['optimizer']")
+    if isinstance(given, FusedOneBitOptimizer):
+        built = given
+    elif isinstance(given, torch.optim.Optimizer):
+        if len(given.param_groups) > 1:
+            raise NotImplementedError(
+                f"zpp.initialize: an optimizer with {len(given.param_groups)} parameter groups; zpp "
+                "builds one group over its flat master shards")
+        built = type(given)(masters, **given.defaults)
+    elif callable(given):
+        built = given(masters)
+    else:
+        raise TypeError(f"zpp.initialize: optimizer={given!r} must be a torch optimizer or a factory "
+                        "taking a list of parameters")
+    if isinstance(built, FusedOneBitOptimizer):  # given, or made by a factory
+        raise ValueError(
+            f"zpp.initialize: a {type(built).__name__} given through optimizer= would run over the "
+            "engine's flat buckets next to the engine's own gradient all-reduce; set it in the config "
+            "instead: {'optimizer': {'type': ..., 'params': {...}}}")
+    return built, None
+
+
+def build_lr_scheduler(config: TrainConfig, given: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The schedule: the config's ``scheduler``, else ``given`` (an object, or a factory
+    ``optimizer -> scheduler``), else None."""
+    if config.scheduler is not None:
+        if given is not None:
+            raise ValueError("zpp.initialize: a scheduler is given both in the config and as lr_scheduler")
+        return build_scheduler(config.scheduler, optimizer)
+    if callable(given) and not hasattr(given, "step"):
+        return given(optimizer)
+    return given
+
+
+def _onebit_views(units: Sequence[Unit]) -> tuple[OneBitView, ...]:
+    views = []
+    for u in units:
+        if not u.trainable:
+            continue
+        master = u.flat.master.detach()
+        for slot in u.layout.slots:
+            v = torch.nn.Parameter(master[slot.offset:slot.offset + slot.numel].view(slot.shape))
+            views.append(OneBitView(u, slot, v))
+    return tuple(views)
+
+
+def _build_onebit(cfg: OptimizerConfig, params: list[torch.nn.Parameter], world: Transport) -> FusedOneBitOptimizer:
+    import zpp.optim as zo
+
+    backend = cfg.params.get("comm_backend_name")
+    if isinstance(backend, str):
+        wants = zo.COMM_BACKENDS.get(backend.lower())
+        if wants is not None and world.name in zo.COMM_BACKENDS.values() and wants != world.name:
+            raise ValueError(
+                f"zpp.initialize: optimizer.params.comm_backend_name={backend!r} asks for the {wants!r} "
+                f"transport but the engine runs on {world.name!r} (zpp.transport or transport=), "
+                "which the optimizer shares")
+    return zo.build(ONEBIT_OPTIMIZERS[cfg.type], params, transport=world, **cfg.params)

@@ -1,0 +1,235 @@
+"""The unit: parameters communicated together, and its life between shards and full weights.
+
+With sharded parameters (stage 3) the planner (:mod:`zpp.zero.planning`) makes one unit per
+module it picks; otherwise it makes size-capped buckets. A unit owns a :class:`FlatShard`
+and moves it between states with the engine's collectives, which it does not choose: the
+gather of each :class:`~zpp.zero.comm_api.Phase` and the gradient reduction come in a
+:class:`UnitComms` built once (:mod:`zpp.zero.gather`, :mod:`zpp.zero.reduce`). The engine
+and its hooks decide *when*.
+
+[Note: stage 1 bytes]
+Stage 1 moves what DDP moves. DDP's all-reduce of ``P`` bytes sends ``2P(W-1)/W`` per rank
+(a reduce-scatter plus an all-gather); stage 1 reduce-scatters the summed gradients into
+the owned shard at the accumulation boundary (``P(W-1)/W``), steps the optimizer on the
+shard, and all-gathers the updated parameters (``P(W-1)/W``). Only the padding of the
+shards (to ``SHARD_ALIGN * W`` elements) differs. The gradients stay full and local
+between micro-steps (``.grad``), so accumulation reduces once per optimizer step; stage 2
+reduce-scatters every micro-step and keeps only the shard.
+
+[Note: started gathers]
+:meth:`Unit.start_gather` starts the phase's gather (asynchronous transport ops) into a new
+full buffer and leaves the unit GATHERING; :meth:`Unit.gather` then waits for it, lets the
+strategy keep what it keeps (hpZ's secondary slice) and attaches the parameters. The
+source (secondary or world, quantized or not) is chosen when the gather starts, so the
+result is bit-identical to a gather done at the point of use as long as the shards do not
+change in between (they change only at the optimizer step, and the engine waits for or
+drops every started gather before it). A started gather of another phase than the one
+asked for is waited for and dropped, then the right one is run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from zpp.comm.transport import Transport, Work
+from zpp.zero.comm_api import GradReduce, Phase, WeightGather
+from zpp.zero.policy import ShardingPolicy
+from zpp.zero.shard import FlatLayout, FlatShard, ShardState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class UnitComms:
+    """What every unit of an engine shares: the world, the policy and the chosen collectives."""
+
+    world: Transport
+    """The flat transport over every data-parallel rank."""
+    policy: ShardingPolicy
+    """What is sharded."""
+    gathers: dict[Phase, WeightGather]
+    """The weight gather of each phase (empty without sharded parameters)."""
+    reduce: GradReduce
+    """The gradient reduction."""
+
+    @property
+    def degree(self) -> int:
+        return self.policy.degree(self.world.world_size)
+
+
+class Started(NamedTuple):
+    """A gather in flight (the unit is GATHERING)."""
+
+    phase: Phase
+    work: Work
+    gather: WeightGather
+
+
+class Unit:
+    """A set of parameters with one flat layout and one shard.
+
+    Args:
+        index: position in the engine's unit list (the order of every flush and checkpoint).
+        names, params: qualified names and the parameters, in flat order.
+        trainable: whether the parameters are trained (frozen units have no master, no
+            gradients, no optimizer state).
+        comms: the engine's :class:`UnitComms`.
+    """
+
+    def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.nn.Parameter],
+                 *, trainable: bool, comms: UnitComms) -> None:
+        self.index = index
+        self.names = tuple(names)
+        self.params = tuple(params)
+        self.trainable = trainable
+        self.comms = comms
+        dtype = self.params[0].dtype
+        degree = comms.degree
+        self.layout = FlatLayout(self.names, [p.shape for p in self.params], degree)
+        self.flat = FlatShard(self.layout, comms.world.rank if degree > 1 else 0, dtype)
+        #: gradients still to arrive in this micro-step (post-accumulate hooks count down)
+        self.expected_grads = sum(1 for p in self.params if p.requires_grad) if trainable else 0
+        self.pending = self.expected_grads
+        self.reduced = False
+        #: forward users currently inside a module that needs this unit (stage 3)
+        self.forward_users = 0
+        #: the gather in flight while GATHERING
+        self.inflight: Started | None = None
+        self._materialize()
+
+    # ------------------------------------------------------------------ storage
+    def _materialize(self) -> None:
+        f, lay = self.flat, self.layout
+        device = self.params[0].device
+        full = lay.flatten([p.detach() for p in self.params], f.dtype, device)
+        own = lay.owned(f.rank)
+        if self.comms.policy.shard_parameters:
+            f.shard = full[own].clone()
+            f.full = None
+            f.detach(self.params)
+        else:
+            f.full = full
+            f.shard = full[own]
+            f.attach(self.params)
+        if self.trainable:
+            if f.dtype == torch.float32:
+                f.master = torch.nn.Parameter(f.shard, requires_grad=True)
+            else:
+                f.master = torch.nn.Parameter(f.shard.float(), requires_grad=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat.state is ShardState.GATHERED
+
+    # ------------------------------------------------------------------ gather (sharded parameters)
+    def gather(self, phase: Phase) -> None:
+        """Materialize the full buffer with the phase's gather. Idempotent. Completes a
+        started gather of the same phase (see [Note: started gathers])."""
+        f = self.flat
+        if f.state is ShardState.GATHERED:
+            return
+        if f.state is ShardState.GATHERING:
+            if self.inflight.phase is phase:
+                self._complete()
+                return
+            self.drop_started()
+        self.start_gather(phase)
+        self._complete()
+
+    def start_gather(self, phase: Phase) -> Work:
+        """Start the gather ``gather(phase)`` would run, without waiting (the unit must be
+        SHARDED); the unit is GATHERING until :meth:`gather` or :meth:`drop_started`."""
+        f = self.flat
+        if f.state is not ShardState.SHARDED:
+            raise RuntimeError(f"Unit.start_gather: unit {self.index} is {f.state.name}, not SHARDED")
+        strategy = self.comms.gathers[phase]
+        full = torch.empty(self.layout.padded_numel, dtype=f.dtype, device=f.shard.device)
+        work = strategy.start(f, full)
+        f.full = full
+        f.state = ShardState.GATHERING
+        self.inflight = Started(phase, work, strategy)
+        return work
+
+    def _complete(self) -> None:
+        started, self.inflight = self.inflight, None
+        started.work.wait()
+        started.gather.finish(self.flat, self.flat.full)
+        self.flat.attach(self.params)
+
+    def drop_started(self) -> None:
+        """Wait for a started gather and throw its result away (back to SHARDED)."""
+        if self.flat.state is not ShardState.GATHERING:
+            return
+        started, self.inflight = self.inflight, None
+        started.work.wait()
+        self.flat.full = None
+        self.flat.state = ShardState.SHARDED
+
+    def release(self) -> None:
+        """Drop the full buffer (sharded parameters only; otherwise it is the parameters)."""
+        if self.comms.policy.shard_parameters and self.flat.state is ShardState.GATHERED:
+            self.flat.detach(self.params)
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_grads(self) -> None:
+        """Average the gradients accumulated in the parameters' ``.grad`` over the ranks with
+        the engine's :class:`~zpp.zero.comm_api.GradReduce` into ``flat.grad`` (owned range,
+        fp32) and free the ``.grad``. Called once per optimizer step without sharded
+        gradients (the micro-steps' gradients summed in ``.grad``), once per micro-step
+        with them; see [Note: stage 1 bytes]."""
+        f, lay = self.flat, self.layout
+        flat = lay.flatten([p.grad for p in self.params], torch.float32, f.shard.device)
+        for p in self.params:
+            p.grad = None
+        f.add_grad(self.comms.reduce(flat, lay))
+        self.reduced = True
+        self.pending = self.expected_grads
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        g = self.flat.grad
+        return torch.zeros((), dtype=torch.float64) if g is None else g.double().pow(2).sum()
+
+    def stage_grad(self) -> None:
+        """Hand the accumulated gradient to the optimizer as ``master.grad``."""
+        f = self.flat
+        if f.grad is None:
+            f.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=f.shard.device)
+        f.master.grad = f.grad
+
+    # ------------------------------------------------------------------ after the step
+    def publish(self) -> None:
+        """Make the updated master weights the parameters: cast into the shard, all-gather
+        into the full buffer (:attr:`ShardingPolicy.gather_after_step`), invalidate hpZ's
+        secondary shard."""
+        f, comms = self.flat, self.comms
+        f.master.grad = None
+        f.grad = None
+        self.release()  # a full buffer gathered before the step would hold the old weights
+        if not f.master_aliases_shard:
+            f.shard.copy_(f.master.detach())
+        if comms.policy.gather_after_step and comms.world.world_size > 1:
+            comms.world.all_gather(f.full, f.shard.clone())
+        f.invalidate_secondary()
+
+    def load_flat(self, values: torch.Tensor, master: torch.Tensor | None = None) -> None:
+        """Set the unit from a full flat fp32 vector of ``layout.numel`` elements (checkpoint
+        loading): the owned range of the master weights and the parameters."""
+        f, lay = self.flat, self.layout
+        padded = torch.zeros(lay.padded_numel, dtype=torch.float32, device=f.shard.device)
+        padded[:lay.numel] = values
+        own = padded[lay.owned(f.rank)]
+        if f.master is not None:
+            f.master.data.copy_(own if master is None else master)
+        if f.full is not None and not self.comms.policy.shard_parameters:
+            f.full.copy_(padded)
+        elif not f.master_aliases_shard:
+            f.shard.copy_(own)
+        f.invalidate_secondary()
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, params={len(self.params)}, trainable={self.trainable}, {self.flat!r})"
