@@ -129,7 +129,9 @@ def _world_errors(t):
     attempt("ok", good, {**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2,
                                                        "zero_quantized_gradients": True}})
     # no transport given: zpp.comm.get_transport(config.zpp.transport) supplies the world
-    engine, opt, _, sched = zz.initialize(model=good, config={**base, "zero_optimization": {"stage": 2}})
+    # (on a fresh model: "ok" left `good` partitioned by its stage-3 engine)
+    torch.manual_seed(0)
+    engine, opt, _, sched = zz.initialize(model=torch.nn.Linear(3, 5), config={**base, "zero_optimization": {"stage": 2}})
     seen["registry"] = (type(engine.world).__name__, engine.world.world_size, sched is None,
                         opt is engine.optimizer)
     return seen

@@ -107,11 +107,16 @@ class ZppConfig:
     """qwZ elements per fp32 scale; capped at the shard size (Default: 2048)."""
     gradient_group_size: int = 2048
     """qgZ elements per fp32 scale; capped at the shard size (Default: 2048)."""
-    unit_min_numel: int = 0
-    """Stage 3: a module becomes a unit (gathered and released as one) once its subtree
-    holds this many parameters not yet in a unit; smaller children join their ancestor's
-    unit (like FSDP's size-based wrapping). 0: every module holding parameters is a unit
-    (Default: 0)."""
+    unit_min_numel: int | None = None
+    """Stage 3, size-based units: a module becomes a unit (gathered and released as one)
+    once its subtree holds this many parameters not yet in a unit; smaller children join
+    their ancestor's unit (like FSDP's size-based wrapping); 0: every module holding
+    parameters. None: the model's transformer blocks (see [Note: stage 3 units] in
+    :mod:`zpp.zero.planning`) (Default: None)."""
+    unit_classes: tuple[str, ...] | None = None
+    """Stage 3: class names of the modules that each become one unit (e.g.
+    ``["GPT2Block"]``), like FSDP2's ``fully_shard`` per block; wins over
+    ``unit_min_numel`` (Default: None)."""
     prefetch: bool = True
     """Stage 3: start the next units' all-gathers (asynchronous transport ops) while the
     current module runs, following the gather order recorded on the first pass, up to
@@ -143,8 +148,13 @@ class ZppConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 2 or v % 2:
                 raise ValueError(f"ZppConfig: {name}={v!r} must be a positive even integer")
         u = self.unit_min_numel
-        if isinstance(u, bool) or not isinstance(u, int) or u < 0:
-            raise ValueError(f"ZppConfig: unit_min_numel={u!r} must be an integer >= 0")
+        if u is not None and (isinstance(u, bool) or not isinstance(u, int) or u < 0):
+            raise ValueError(f"ZppConfig: unit_min_numel={u!r} must be an integer >= 0 or null")
+        c = self.unit_classes
+        if c is not None:
+            if isinstance(c, str) or not isinstance(c, (list, tuple)) or not all(isinstance(n, str) and n for n in c):
+                raise ValueError(f"ZppConfig: unit_classes={c!r} must be a list of module class names")
+            object.__setattr__(self, "unit_classes", tuple(c))
         for name in ("prefetch", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZppConfig: {name}={getattr(self, name)!r} must be true or false")

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from zpp.comm.transport import Transport
-from zpp.zero import checkpoint
+from zpp.zero import access, checkpoint
 from zpp.zero.agreement import check_same_parameters
-from zpp.zero.comm_api import Comms
+from zpp.zero.comm_api import Comms, Phase
 from zpp.zero.config import TrainConfig
 from zpp.zero.gather import build_gathers
 from zpp.zero.gradnorm import clip_grads
-from zpp.zero.hooks import install_hooks
+from zpp.zero.hooks import EngineHooks
 from zpp.zero.memory import model_state_bytes
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer
 from zpp.zero.planning import plan_units
@@ -73,6 +73,10 @@ class ZeroEngine:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"zpp.initialize: parameter {name} has dtype {p.dtype}; "
                                 f"expected one of {_PARAM_DTYPES}")
+        managed = [n for n, p in module.named_parameters() if access.owned(p)]
+        if managed:
+            raise ValueError(f"zpp.initialize: parameters {managed[:5]} are partitioned by another zpp engine; "
+                             "call that engine's close() first (it restores the full parameters)")
         self._broadcast_buffers()
         if config.zpp.check_parameters:
             check_same_parameters(world, list(module.named_parameters()))
@@ -83,7 +87,8 @@ class ZeroEngine:
         self.units: tuple[Unit, ...] = plan.units
         self._prefetch = Prefetcher(self.units, bucket_numel=config.zero.prefetch_bucket_size,
                                     enabled=policy.shard_parameters and config.zpp.prefetch, world=world)
-        self._handles = install_hooks(module, plan, policy=policy, prefetcher=self._prefetch)
+        self.hooks = EngineHooks(module, plan, policy=policy, prefetcher=self._prefetch)
+        self.hooks.install()
         self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world)
         self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
         self.global_steps = 0
@@ -146,12 +151,11 @@ class ZeroEngine:
         (loss / gas if gas > 1 else loss).backward()
         if self.policy.reduce_each_micro_step:
             for u in self.units:
-                if u.trainable and not u.reduced:
+                if u.trainable and (not u.reduced or u.has_unreduced_grads):
                     u.reduce_grads()
         self._prefetch.end_pass()
         for u in self.units:
-            u.reduced = False
-            u.pending = u.expected_grads
+            u.reset_micro_step()
             u.release()
             if not u.trainable:  # left out of model_parameters but requires_grad
                 for p in u.params:
@@ -198,8 +202,7 @@ class ZeroEngine:
             for p in u.params:
                 p.grad = None
             u.flat.grad = None
-            u.pending = u.expected_grads
-            u.reduced = False
+            u.reset_micro_step()
         for v in self.onebit_views or ():
             v.param.grad = None
 
@@ -234,7 +237,11 @@ class ZeroEngine:
         return checkpoint.load_checkpoint(self, load_dir, tag)
 
     def close(self) -> None:
-        """Remove every hook the engine installed."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        """Remove every hook the engine installed and, with sharded parameters, gather them
+        back (collective: every rank calls it): the module holds its full weights again and
+        may be trained or wrapped anew."""
+        if self.policy.shard_parameters and self.hooks.handles:
+            self._prefetch.end_pass()
+            for u in self.units:
+                u.gather(Phase.EXACT)
+        self.hooks.remove()

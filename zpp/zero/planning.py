@@ -1,12 +1,29 @@
 """Unit planning: which parameters are communicated together, and which modules need which units.
 
 [Note: stage 3 units]
-With sharded parameters a unit is made at a module when the parameters of its subtree not
-yet in a unit reach ``zpp.unit_min_numel`` (Default 0: every module that holds parameters is
-a unit), and at the root for whatever is left, in post-order; a tied parameter belongs to
-the first module that names it. A module's hooks gather the units it created plus the units
-of its direct parameters; gathers are reference-counted, so a child inside its ancestor's
-unit costs nothing.
+With sharded parameters, units are made at *unit roots*, in post-order: a unit root takes
+every parameter of its subtree not yet in a unit, and the model's root takes what is left
+(FSDP2's ``fully_shard(block)`` calls, then ``fully_shard(model)``). The unit roots are,
+first match wins:
+
+1. ``zpp.unit_classes``: every module whose class name is listed (a name that matches no
+   module is an error naming the classes the model has);
+2. ``zpp.unit_min_numel`` (an integer): size-based, like FSDP's size wrapping: a module
+   whose subtree holds at least that many parameters not yet in a unit (0: every module
+   that holds parameters);
+3. by default, the model's transformer blocks: the classes a Hugging Face model lists in
+   ``_no_split_modules``, else every class of which a container (``nn.ModuleList``,
+   ``nn.Sequential``, ``nn.ModuleDict``) holds two or more instances with parameters (the
+   layers of a GPT, ``nn.TransformerEncoder.layers``...); every instance of those classes
+   is a unit root, but only the outermost (a block inside a block stays in its block);
+4. where none is found, every module holding parameters.
+
+A block as one unit is gathered whole before the block's forward, so whatever the block's
+submodules read of each other's parameters (``nn.MultiheadAttention`` reads
+``out_proj.weight`` without calling ``out_proj``) is there; reads across units are caught
+by [Note: parameter access]. A tied parameter belongs to the first module that names it.
+A module's hooks gather the units it created plus the units of its direct parameters;
+gathers are reference-counted, so a child inside its ancestor's unit costs nothing.
 
 [Note: buckets]
 Without sharded parameters (stages 0-2) the parameters are cut, in model order, into
@@ -64,7 +81,15 @@ def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: Train
 
     if policy.shard_parameters:
         min_numel = config.zpp.unit_min_numel
+        roots = None if min_numel is not None and not config.zpp.unit_classes else unit_roots(module, config)
+        if roots is None and min_numel is None:  # no block found: every module holding parameters
+            min_numel = 0
         visited: set[int] = set()
+
+        def is_unit_root(m: torch.nn.Module, acc: Named) -> bool:
+            if roots is not None:
+                return id(m) in roots
+            return sum(p.numel() for _, p in acc) >= min_numel
 
         def visit(m: torch.nn.Module, is_root: bool) -> Named:
             visited.add(id(m))
@@ -72,7 +97,7 @@ def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: Train
             for c in m.children():
                 if id(c) not in visited:
                     acc.extend(visit(c, False))
-            if acc and (is_root or sum(p.numel() for _, p in acc) >= min_numel):
+            if acc and (is_root or is_unit_root(m, acc)):
                 groups: dict[tuple, Named] = collections.defaultdict(list)
                 for n, p in acc:
                     groups[key(p)].append((n, p))
@@ -122,3 +147,55 @@ def _owned_parameters(module: torch.nn.Module) -> dict[int, Named]:
             own.append((f"{mname}.{pname}" if mname else pname, p))
         owned[id(m)] = own
     return owned
+
+
+def unit_roots(module: torch.nn.Module, config: TrainConfig) -> set[int] | None:
+    """Ids of the modules that start a unit, by ``zpp.unit_classes`` or by block detection;
+    None where no block is found (then every module holding parameters is a unit). See
+    [Note: stage 3 units]."""
+    classes = config.zpp.unit_classes
+    if classes:
+        present = {type(m).__name__ for m in module.modules()}
+        missing = sorted(set(classes) - present)
+        if missing:
+            raise ValueError(f"zpp.unit_classes: {missing} match no module of the model; its module classes are "
+                             f"{sorted(present)}")
+        return {id(m) for m in module.modules() if type(m).__name__ in classes}
+    blocks = block_classes(module)
+    if not blocks:
+        return None
+    roots: set[int] = set()
+
+    def outermost(m: torch.nn.Module) -> None:
+        for c in m.children():
+            if type(c) in blocks:
+                roots.add(id(c))
+            else:
+                outermost(c)
+
+    outermost(module)
+    return roots or None
+
+
+def block_classes(module: torch.nn.Module) -> set[type]:
+    """The module classes that are the model's repeated blocks: a Hugging Face model's
+    ``_no_split_modules`` where it names classes the model has, else every class of which
+    a container (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) holds two or more
+    instances with parameters."""
+    by_name = {type(m).__name__: type(m) for m in module.modules()}
+    for m in module.modules():
+        named = getattr(m, "_no_split_modules", None)
+        if named:
+            found = {by_name[n] for n in named if n in by_name}
+            if found:
+                return found
+    found: set[type] = set()
+    for m in module.modules():
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            continue
+        count: dict[type, int] = {}
+        for c in m.children():
+            if next(c.parameters(), None) is not None:
+                count[type(c)] = count.get(type(c), 0) + 1
+        found.update(cls for cls, n in count.items() if n >= 2)
+    return found

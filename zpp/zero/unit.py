@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from zpp.comm.transport import Transport, Work
+from zpp.zero import access
 from zpp.zero.comm_api import GradReduce, Phase, WeightGather
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.shard import FlatLayout, FlatShard, ShardState
@@ -88,9 +89,10 @@ class Unit:
         degree = comms.degree
         self.layout = FlatLayout(self.names, [p.shape for p in self.params], degree)
         self.flat = FlatShard(self.layout, comms.world.rank if degree > 1 else 0, dtype)
-        #: gradients still to arrive in this micro-step (post-accumulate hooks count down)
+        #: parameters whose gradient the backward delivers (post-accumulate hooks)
         self.expected_grads = sum(1 for p in self.params if p.requires_grad) if trainable else 0
-        self.pending = self.expected_grads
+        #: ids of the parameters whose gradient arrived in this micro-step (see [Note: stage 3 hooks])
+        self.arrived: set[int] = set()
         self.reduced = False
         #: forward users currently inside a module that needs this unit (stage 3)
         self.forward_users = 0
@@ -107,7 +109,7 @@ class Unit:
         if self.comms.policy.shard_parameters:
             f.shard = full[own].clone()
             f.full = None
-            f.detach(self.params)
+            self._detach()
         else:
             f.full = full
             f.shard = full[own]
@@ -160,6 +162,7 @@ class Unit:
         started.work.wait()
         started.gather.finish(self.flat, self.flat.full)
         self.flat.attach(self.params)
+        access.mark_gathered(self.params)
 
     def drop_started(self) -> None:
         """Wait for a started gather and throw its result away (back to SHARDED)."""
@@ -173,7 +176,11 @@ class Unit:
     def release(self) -> None:
         """Drop the full buffer (sharded parameters only; otherwise it is the parameters)."""
         if self.comms.policy.shard_parameters and self.flat.state is ShardState.GATHERED:
-            self.flat.detach(self.params)
+            self._detach()
+
+    def _detach(self) -> None:
+        self.flat.detach(self.params)
+        access.mark_sharded(self.params)  # reads now go through [Note: parameter access]
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self) -> None:
@@ -188,7 +195,16 @@ class Unit:
             p.grad = None
         f.add_grad(self.comms.reduce(flat, lay))
         self.reduced = True
-        self.pending = self.expected_grads
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        """Some ``.grad`` holds gradient not yet reduced into ``flat.grad``."""
+        return any(p.grad is not None for p in self.params)
+
+    def reset_micro_step(self) -> None:
+        """Forget which gradients arrived (the end of a backward)."""
+        self.arrived.clear()
+        self.reduced = False
 
     def grad_norm_sq(self) -> torch.Tensor:
         g = self.flat.grad

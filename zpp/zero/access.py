@@ -1,0 +1,139 @@
+"""Parameter access while sharded: every read of a partitioned parameter is seen.
+
+[Note: parameter access]
+With sharded parameters a parameter's ``.data`` is empty between uses. The engine gathers
+whole units before a module's forward (:mod:`zpp.zero.hooks`), which covers every read
+inside the module that planned the unit; a transformer block as one unit covers
+``nn.MultiheadAttention`` reading ``out_proj.weight`` directly (see
+:mod:`zpp.zero.planning`). Reads elsewhere (a tied embedding used through ``F.linear`` in
+the parent's forward, a sibling's weight, a parameter read in the training loop) are caught
+here:
+
+* While a unit is SHARDED its parameters' class is swapped to an intercepting subclass of
+  their own class (``nn.Parameter``, usually); :meth:`~zpp.zero.unit.Unit` swaps it back
+  when the unit is gathered. So a gathered parameter costs nothing extra, and a sharded
+  one runs ``__torch_function__`` for each torch function it is passed to.
+* A data-reading function (anything but metadata: ``.data``/``.grad`` access, hooks,
+  ``data_ptr``...; ``shape``/``size()`` count as reads while a forward runs) calls the
+  owner's :meth:`AccessOwner.on_access` first, which gathers the unit (inside a forward or
+  backward) or raises a ``RuntimeError`` naming the parameter (outside them), so no
+  computation ever sees an empty tensor.
+
+Why interception and not only larger units: blocks cover reads inside a block; they cannot
+cover a weight shared between the root's forward and a child (GPT's tied ``lm_head``), a
+model that reads a sibling's weight, or a read in the training loop, which must be an
+error rather than an empty tensor (DeepSpeed intercepts access for the same reason; FSDP2
+covers intra-block reads with blocks and leaves the rest to the user). Measured overhead
+of the interception when nothing is read out of place: none on the gathered path (the
+class swap is a pointer store per parameter per gather); see perf/BENCHMARKS.md for the
+step times before and after.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+_PASSTHROUGH = frozenset({
+    "__get__", "__set__", "__delete__", "data_ptr", "stride", "storage_offset", "is_contiguous",
+    "element_size", "__hash__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
+    "__repr__", "__format__", "get_device", "is_floating_point", "is_complex", "untyped_storage",
+})
+_SHAPE = frozenset({"size", "dim", "numel", "nelement", "__len__"})
+_SHAPE_PROPERTIES = frozenset({"shape", "ndim"})
+
+
+class AccessOwner(abc.ABC):
+    """What an engine does when a sharded parameter of its own is read."""
+
+    @abc.abstractmethod
+    def on_access(self, param: torch.nn.Parameter, what: str, shape_only: bool) -> None:
+        """``param`` (sharded) is about to be read by ``what``: gather it or raise.
+        ``shape_only``: only its shape is read (harmless outside a forward)."""
+
+
+_OWNERS: dict[int, AccessOwner] = {}
+_INTERCEPTING: dict[type, type] = {}
+
+
+def register(params, owner: AccessOwner) -> None:
+    """Route reads of ``params`` (while sharded) to ``owner``."""
+    for p in params:
+        _OWNERS[id(p)] = owner
+
+
+def owned(param) -> bool:
+    """Whether an engine routes the reads of ``param``."""
+    return id(param) in _OWNERS
+
+
+def unregister(params) -> None:
+    """Stop routing ``params``; they get their own class back."""
+    for p in params:
+        _OWNERS.pop(id(p), None)
+        base = _base_class(type(p))
+        if base is not type(p):
+            p.__class__ = base
+
+
+def mark_sharded(params) -> None:
+    """The parameters' data is empty now: intercept their reads."""
+    for p in params:
+        cls = type(p)
+        if cls not in _INTERCEPTING.values():
+            p.__class__ = _intercepting(cls)
+
+
+def mark_gathered(params) -> None:
+    """The parameters hold their full data: plain class again."""
+    for p in params:
+        base = _base_class(type(p))
+        if base is not type(p):
+            p.__class__ = base
+
+
+def _base_class(cls: type) -> type:
+    return cls.__bases__[0] if cls in _INTERCEPTING.values() else cls
+
+
+def _intercepting(cls: type) -> type:
+    sub = _INTERCEPTING.get(cls)
+    if sub is None:
+        sub = type(f"Sharded{cls.__name__}", (cls,), {"__torch_function__": classmethod(_torch_function),
+                                                         "__module__": __name__})
+        _INTERCEPTING[cls] = sub
+    return sub
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    name = getattr(func, "__name__", "")
+    if name not in _PASSTHROUGH or (name == "__get__" and _property_name(func) in _SHAPE_PROPERTIES):
+        shape_only = name in _SHAPE or name == "__get__"
+        for p in _params_in(args, kwargs):
+            owner = _OWNERS.get(id(p))
+            if owner is not None and type(p) in _INTERCEPTING.values():
+                owner.on_access(p, _describe(func), shape_only)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
+
+
+def _property_name(func: Any) -> str:
+    return getattr(getattr(func, "__self__", None), "__name__", "")
+
+
+def _describe(func: Any) -> str:
+    if getattr(func, "__name__", "") == "__get__":
+        return f"Tensor.{_property_name(func)}"
+    mod = getattr(func, "__module__", None) or ""
+    return f"{mod}.{func.__name__}" if mod and not mod.startswith("torch._C") else getattr(func, "__name__", repr(func))
+
+
+def _params_in(args, kwargs):
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.nn.Parameter):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.nn.Parameter):
+                    yield b
