@@ -48,7 +48,9 @@ MODULES: dict[str, str] = {
     "compression": "compression training is not in zpp; zpp compresses communication only (zpp.quant, ZeRO++)",
     "checkpointing": f"DeepSpeed's activation checkpointing is not in zpp; {_CKPT}",
     "runtime.activation_checkpointing": f"DeepSpeed's activation checkpointing is not in zpp; {_CKPT}",
-    "runtime.fp16.onebit": "use zpp.optim.OneBitAdam / ZeroOneAdam / OneBitLamb, or optimizer.type in the config",
+    "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are not in zpp (fp16 is the config's \"fp16\" section); "
+                    "its 1-bit optimizers (runtime.fp16.onebit) are zpp.optim.OneBitAdam / ZeroOneAdam / OneBitLamb, "
+                    "or optimizer.type in the config",
     "profiling": "the flops profiler is not in zpp; use torch.profiler",
     "monitor": "DeepSpeed's monitors are not in zpp; log from the script",
     "sequence": "sequence parallelism is not in zpp",
@@ -112,3 +114,11 @@ def missing_attribute(module: str, name: str) -> AttributeError:
     if why is not None:
         return AttributeError(why)
     return AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
+def markdown() -> str:
+    """The README's table of refused modules and names (generated; a test keeps it equal)."""
+    rows = ["| DeepSpeed | zpp says |", "|---|---|"]
+    rows += [f"| `deepspeed.{m}` | {why} |" for m, why in sorted(MODULES.items())]
+    rows += [f"| `deepspeed.{n}` | {why} |" for n, why in sorted(NAMES.items())]
+    return "\n".join(rows) + "\n"
