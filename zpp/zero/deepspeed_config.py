@@ -29,7 +29,7 @@ boolean ``zero_optimization: true`` (stage 1, with the top-level ``allgather_siz
 Giving a key and its alias together is a ``ValueError``. Fields parsed here that the engine
 does not run yet are refused later, by :func:`zpp.zero.config.as_config` (see
 [Note: engine support] there). The README's "Coming from DeepSpeed" tables are generated
-from ``KEYS`` (:func:`keys_markdown`; ``python -m zpp.zero.deepspeed_config`` prints them).
+from ``KEYS`` (:func:`keys_markdown`; ``python tools/gen_readme.py`` rewrites them).
 """
 from __future__ import annotations
 
@@ -667,7 +667,3 @@ def keys_markdown() -> str:
         f"{_ZERO}.{a}": f"{_ZERO}.{k}" for a, k in ZERO_ALIASES.items()}}.items())
     out += ["", f"Aliases: {aliases}.", ""]
     return "\n".join(out)
-
-
-if __name__ == "__main__":
-    print(keys_markdown(), end="")
