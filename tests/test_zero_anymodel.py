@@ -160,7 +160,7 @@ def test_reads_outside_forward_and_swapped_modules_are_refused():
 def test_block_detection_and_unit_classes():
     """Default units are the transformer blocks (repeated children, or a Hugging Face
     model's _no_split_modules); zpp.unit_classes names them; an unknown name is an error."""
-    from zpp.zero.config import from_deepspeed
+    from zpp.zero.deepspeed_config import from_deepspeed
     from zpp.zero.planning import block_classes, unit_roots
 
     model, *_ = models.functional_tied(0)

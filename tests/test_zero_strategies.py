@@ -20,7 +20,7 @@ from tests.test_zero_engine import _batches, train_steps
 from zpp.comm.collectives import effective_group_size
 from zpp.comm.topology import topology_of
 from zpp.zero.comm_api import Comms, Phase
-from zpp.zero.config import from_deepspeed
+from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.gather import GATHERS, PlainGather, QuantizedGather, SecondaryGather, build_gathers
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.reduce import REDUCES, build_reduce

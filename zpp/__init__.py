@@ -1,15 +1,46 @@
 """zpp: communication-optimized collectives for PyTorch (ZeRO++ and 1-bit optimizers).
 
->>> engine, optimizer, _, lr_scheduler = zpp.initialize(model=model, config="ds_config.json")
+A DeepSpeed training script runs with one changed import::
+
+    import zpp as deepspeed
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, config="ds_config.json")
+
+Attributes are imported on first use, so ``import zpp`` (and ``zpp --help``) does not import
+torch. DeepSpeed modules zpp does not offer raise an ``ImportError`` saying what to use
+instead (:mod:`zpp.unsupported`).
 """
+from zpp import unsupported as _unsupported
+
 __version__ = "0.1.0"
-__all__ = ["__version__", "initialize"]
+
+#: name -> "module:attribute" (or "module" for a submodule), imported on first access.
+_LAZY = {
+    "initialize": "zpp.zero:initialize",
+    "DeepSpeedEngine": "zpp.zero:ZeroEngine",
+    "add_config_arguments": "zpp.arguments:add_config_arguments",
+    "get_accelerator": "zpp.accelerator:get_accelerator",
+    "logger": "zpp.utils.logging:logger",
+    "log_dist": "zpp.utils.logging:log_dist",
+    **{m: f"zpp.{m}" for m in ("accelerator", "comm", "moe", "ops", "optim", "quant", "runtime", "utils", "zero")},
+}
+__all__ = ["__version__", *_LAZY]
+
+_unsupported.install()
 
 
 def __getattr__(name: str):
-    # Lazy: `zpp --help` and argument errors must not pay for importing torch.
-    if name == "initialize":
-        from zpp.zero import initialize
+    target = _LAZY.get(name)
+    if target is None:
+        raise _unsupported.missing_attribute(__name__, name)
+    import importlib
 
-        return initialize
-    raise AttributeError(f"module 'zpp' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = importlib.import_module(module)
+    if attr:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,23 +1,32 @@
 """ZeRO stage 0-3 engine with the ZeRO++ switches (qwZ, hpZ, qgZ), DeepSpeed-compatible.
 
 :func:`initialize` (:mod:`~zpp.zero.api`) builds a :class:`ZeroEngine`
-(:mod:`~zpp.zero.engine`, whose docstring maps every concern to its module) from a
-DeepSpeed-style config (:mod:`~zpp.zero.config`).
+(:mod:`~zpp.zero.engine`, whose docstring maps every concern to its module) from a typed
+config (:mod:`~zpp.zero.config`), translated from a DeepSpeed config at the edge
+(:mod:`~zpp.zero.deepspeed_config`, value checks in :mod:`~zpp.zero.checks`); every rank
+checks it runs the same one (:mod:`~zpp.zero.agreement`).
 """
+from zpp.zero.agreement import check_same_config
 from zpp.zero.api import initialize
 from zpp.zero.config import (
+    ActivationCheckpointingConfig,
+    Fp16Config,
+    OffloadConfig,
     OptimizerConfig,
     SchedulerConfig,
     TrainConfig,
     ZeroConfig,
     ZppConfig,
-    from_deepspeed,
 )
+from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.engine import ZeroEngine
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.schedulers import WarmupDecayLR, WarmupLR
 
 __all__ = [
+    "ActivationCheckpointingConfig",
+    "Fp16Config",
+    "OffloadConfig",
     "OptimizerConfig",
     "SchedulerConfig",
     "ShardingPolicy",
@@ -27,6 +36,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroEngine",
     "ZppConfig",
+    "check_same_config",
     "from_deepspeed",
     "initialize",
 ]

@@ -1,27 +1,29 @@
-"""The engine's typed configuration, and the translation of a DeepSpeed config into it.
+"""The engine's typed configuration.
 
 One source of truth: :class:`TrainConfig` (with :class:`ZeroConfig`, :class:`ZppConfig`,
-:class:`OptimizerConfig`, :class:`SchedulerConfig`). A DeepSpeed-style dict or JSON file is
-translated into it once, at the edge, by :func:`from_deepspeed`; nothing below reads dicts.
+:class:`OptimizerConfig`, :class:`SchedulerConfig`, :class:`Fp16Config`,
+:class:`OffloadConfig`, :class:`ActivationCheckpointingConfig`), frozen and validated at
+construction (every field type-checked; errors name the field and the value, see
+[Note: strict types] in :mod:`zpp.zero.checks`). A DeepSpeed-style dict or JSON file is
+translated into it once, at the edge, by :func:`zpp.zero.deepspeed_config.from_deepspeed`;
+nothing below reads dicts.
 
-[Note: DeepSpeed keys]
-Every key of a DeepSpeed config falls in one of three sets:
-
-* understood: translated into a field below (see ``_TOP_KEYS`` / ``_ZERO_KEYS``);
-* known but not implemented: accepted only when the value asks for nothing (DeepSpeed's
-  default, or a value that describes what zpp does anyway, e.g. ``overlap_comm: false``);
-  any other value raises ``NotImplementedError`` naming the key and the value;
-* unknown: ``ValueError`` listing every unknown key.
-
-Nothing is silently ignored.
+[Note: engine support]
+A few fields are parsed and validated before the engine acts on them (``ENGINE_PENDING``):
+:func:`as_config`, the entry of :func:`zpp.initialize`, refuses a config that asks for one of
+them with ``NotImplementedError`` naming it, so nothing is silently ignored. The engine
+removes an entry from ``ENGINE_PENDING`` when it implements that field.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
+
+from zpp.zero.checks import (
+    check_bool, check_choice, check_int, check_number, check_pair, check_str, check_str_tuple, fail,
+)
 
 STAGES = (0, 1, 2, 3)
 QUANT_BITS = (4, 8)
@@ -42,10 +44,54 @@ OPTIMIZER_PARAMS: dict[str, frozenset[str]] = {
     "onebitlamb": frozenset(_ONEBIT_COMMON | {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
                                               "factor_min", "factor_threshold"}),
 }
+
+
+def _num(lo=None, hi=None, lo_open=False, hi_open=False):
+    return lambda w, n, v: check_number(w, n, v, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
+
+
+def _integer(lo=None):
+    return lambda w, n, v: check_int(w, n, v, lo=lo)
+
+
+#: The type of every optimizer parameter in ``OPTIMIZER_PARAMS`` (a check per name).
+OPTIMIZER_PARAM_CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
+    "lr": _num(lo=0), "betas": check_pair, "eps": _num(lo=0), "weight_decay": _num(lo=0),
+    "amsgrad": check_bool, "momentum": _num(lo=0), "dampening": _num(), "nesterov": check_bool,
+    "bias_correction": check_bool, "cuda_aware": check_bool, "comm_backend_name": check_str,
+    "freeze_step": _integer(lo=0), "var_freeze_step": _integer(lo=0), "var_update_scaler": _integer(lo=1),
+    "local_step_scaler": _integer(lo=1), "local_step_clipper": _integer(lo=1),
+    "max_coeff": _num(lo=0, lo_open=True), "min_coeff": _num(lo=0), "coeff_beta": _num(lo=0, hi=1, hi_open=True),
+    "factor_max": _num(lo=0, lo_open=True), "factor_min": _num(lo=0), "factor_threshold": _num(lo=0),
+}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
+#: The type of every scheduler parameter.
+SCHEDULER_PARAM_CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
+    "warmup_min_lr": _num(lo=0), "warmup_max_lr": _num(lo=0), "warmup_num_steps": _integer(lo=1),
+    "warmup_type": lambda w, n, v: check_choice(w, n, v, ("log", "linear")),
+    "last_batch_iteration": _integer(lo=-1), "total_num_steps": _integer(lo=1),
+}
+NONFINITE = ("skip", "raise")
+OFFLOAD_DEVICES = ("none", "cpu")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class OffloadConfig:
+    """Where optimizer states (``offload_optimizer``) or parameters (``offload_param``) live
+    between uses."""
+
+    device: Literal["none", "cpu"] = "none"
+    """"none": on the training device; "cpu": in host memory (on a CPU job they are there
+    already) (Default: "none")."""
+    pin_memory: bool = False
+    """Page-locked host buffers, for overlapped copies on a CUDA job (Default: False)."""
+
+    def __post_init__(self) -> None:
+        check_choice("OffloadConfig", "device", self.device, OFFLOAD_DEVICES)
+        check_bool("OffloadConfig", "pin_memory", self.pin_memory)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ZeroConfig:
     """What ZeRO shards and which ZeRO++ compressions are on."""
 
@@ -70,30 +116,44 @@ class ZeroConfig:
     """Stage 3: elements of parameter gathers started ahead of use (in the order recorded
     on the first pass) that may be in flight or waiting at once; 0 turns prefetch off. See
     [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` (Default: 5e7)."""
+    param_persistence_threshold: int = 100_000
+    """Stage 3: a parameter with at most this many elements is not partitioned but stays
+    whole on every rank (DeepSpeed's ``stage3_param_persistence_threshold``); 0 partitions
+    every parameter (Default: 1e5, DeepSpeed's)."""
+    offload_optimizer: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    """Where the optimizer states and the optimizer step live (stages 1-3)
+    (Default: device "none")."""
+    offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    """Where the partitioned parameters live between uses (stage 3) (Default: device "none")."""
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise ValueError(f"ZeroConfig: stage={self.stage!r} must be one of {STAGES}")
-        for name in ("reduce_bucket_size", "allgather_bucket_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ZeroConfig: {name}={v!r} must be a positive integer")
-        if isinstance(self.prefetch_bucket_size, bool) or not isinstance(self.prefetch_bucket_size, int) \
-                or self.prefetch_bucket_size < 0:
-            raise ValueError(f"ZeroConfig: prefetch_bucket_size={self.prefetch_bucket_size!r} must be >= 0")
+        w = "ZeroConfig"
+        check_choice(w, "stage", self.stage, STAGES)
+        for name in ("quantized_weights", "quantized_gradients"):
+            check_bool(w, name, getattr(self, name))
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "hpz_partition_size"):
+            check_int(w, name, getattr(self, name), lo=1)
+        for name in ("prefetch_bucket_size", "param_persistence_threshold"):
+            check_int(w, name, getattr(self, name), lo=0)
+        for name in ("offload_optimizer", "offload_param"):
+            if not isinstance(getattr(self, name), OffloadConfig):
+                raise fail(w, name, getattr(self, name), "an OffloadConfig")
         h = self.hpz_partition_size
-        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
-            raise ValueError(f"ZeroConfig: hpz_partition_size={h!r} must be a positive integer")
         if self.stage < 3:
             on = [f"{n}={getattr(self, n)!r}" for n in ("quantized_weights", "quantized_gradients")
                   if getattr(self, n)]
             if h > 1:
                 on.append(f"hpz_partition_size={h}")
+            if self.offload_param.device != "none":
+                on.append(f"offload_param.device={self.offload_param.device!r}")
             if on:
                 raise ValueError(f"ZeroConfig: {', '.join(on)} need stage=3, got stage={self.stage}")
+        if self.stage == 0 and self.offload_optimizer.device != "none":
+            raise ValueError(f"ZeroConfig: offload_optimizer.device={self.offload_optimizer.device!r} needs "
+                             "stage >= 1, got stage=0")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ZppConfig:
     """zpp's own knobs (the ``"zpp"`` section of a DeepSpeed-style config)."""
 
@@ -113,10 +173,11 @@ class ZppConfig:
     their ancestor's unit (like FSDP's size-based wrapping); 0: every module holding
     parameters. None: the model's transformer blocks (see [Note: stage 3 units] in
     :mod:`zpp.zero.planning`) (Default: None)."""
-    unit_classes: tuple[str, ...] | None = None
-    """Stage 3: class names of the modules that each become one unit (e.g.
-    ``["GPT2Block"]``), like FSDP2's ``fully_shard`` per block; wins over
-    ``unit_min_numel`` (Default: None)."""
+    unit_classes: tuple[str, ...] = ()
+    """Stage 3: class names (``type(module).__name__``, e.g. "GPT2Block") of modules that
+    each become one unit, their whole subtree gathered and released together, like FSDP2's
+    ``fully_shard`` per block; wins over ``unit_min_numel``. A list is stored as a tuple
+    (Default: ())."""
     prefetch: bool = True
     """Stage 3: start the next units' all-gathers (asynchronous transport ops) while the
     current module runs, following the gather order recorded on the first pass, up to
@@ -137,36 +198,100 @@ class ZppConfig:
     gradient_reduce: str | None = None
     """The gradient reduction by name (see :mod:`zpp.zero.reduce`); None: from the stage,
     ``zero_quantized_gradients`` and the optimizer (Default: None)."""
+    nonfinite: Literal["skip", "raise"] = "skip"
+    """A step whose gradients hold NaN or Inf on any rank: "skip" it on every rank (counted
+    and logged, ``was_step_applied()`` false, as DeepSpeed's fp16 overflow) or "raise" an
+    error on every rank (Default: "skip")."""
 
     def __post_init__(self) -> None:
+        w = "ZppConfig"
         for name in ("weight_bits", "gradient_bits"):
-            v = getattr(self, name)
-            if v not in QUANT_BITS or isinstance(v, bool):
-                raise ValueError(f"ZppConfig: {name}={v!r} must be one of {QUANT_BITS}")
+            check_choice(w, name, getattr(self, name), QUANT_BITS)
         for name in ("weight_group_size", "gradient_group_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 2 or v % 2:
-                raise ValueError(f"ZppConfig: {name}={v!r} must be a positive even integer")
-        u = self.unit_min_numel
-        if u is not None and (isinstance(u, bool) or not isinstance(u, int) or u < 0):
-            raise ValueError(f"ZppConfig: unit_min_numel={u!r} must be an integer >= 0 or null")
-        c = self.unit_classes
-        if c is not None:
-            if isinstance(c, str) or not isinstance(c, (list, tuple)) or not all(isinstance(n, str) and n for n in c):
-                raise ValueError(f"ZppConfig: unit_classes={c!r} must be a list of module class names")
-            object.__setattr__(self, "unit_classes", tuple(c))
-        for name in ("prefetch", "reshard_after_forward"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ZppConfig: {name}={getattr(self, name)!r} must be true or false")
+                raise fail(w, name, v, "a positive even integer")
+        if self.unit_min_numel is not None:
+            check_int(w, "unit_min_numel", self.unit_min_numel, lo=0)
+        object.__setattr__(self, "unit_classes", check_str_tuple(w, "unit_classes", self.unit_classes))
+        for name in ("prefetch", "check_parameters", "reshard_after_forward"):
+            check_bool(w, name, getattr(self, name))
         for name in ("weight_gather", "gradient_reduce"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"ZppConfig: {name}={v!r} must be a name or null")
+            if getattr(self, name) is not None:
+                check_str(w, name, getattr(self, name))
+        if self.check_metadata is not None:
+            check_bool(w, "check_metadata", self.check_metadata)
         if not isinstance(self.transport, str) or not self.transport:
-            raise ValueError(f"ZppConfig: transport={self.transport!r} must be a transport name")
+            raise fail(w, "transport", self.transport, "a transport name")
+        check_choice(w, "nonfinite", self.nonfinite, NONFINITE)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Fp16Config:
+    """fp16 mixed precision with DeepSpeed's loss scaling (its ``"fp16"`` section, its
+    defaults)."""
+
+    enabled: bool = False
+    """Train with fp16 parameters and fp32 master weights (Default: False)."""
+    auto_cast: bool = False
+    """Cast floating-point inputs of the forward to fp16 (Default: False)."""
+    loss_scale: float = 0.0
+    """A static loss scale; 0 selects dynamic loss scaling (Default: 0)."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at ``2**initial_scale_power`` (Default: 16)."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale doubles (Default: 1000)."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves (DeepSpeed's delayed shift)
+    (Default: 2)."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every step without overflow (Default: False)."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never goes below this (Default: 1)."""
+
+    def __post_init__(self) -> None:
+        w = "Fp16Config"
+        for name in ("enabled", "auto_cast", "consecutive_hysteresis"):
+            check_bool(w, name, getattr(self, name))
+        check_number(w, "loss_scale", self.loss_scale, lo=0)
+        check_int(w, "initial_scale_power", self.initial_scale_power, lo=0)
+        check_int(w, "loss_scale_window", self.loss_scale_window, lo=1)
+        check_int(w, "hysteresis", self.hysteresis, lo=1)
+        check_number(w, "min_loss_scale", self.min_loss_scale, lo=0)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's ``"activation_checkpointing"`` section, with its defaults."""
+
+    partition_activations: bool = False
+    """Partition the checkpointed activations across model-parallel ranks (Default: False)."""
+    cpu_checkpointing: bool = False
+    """Keep the checkpointed activations in host memory (Default: False)."""
+    contiguous_memory_optimization: bool = False
+    """Copy checkpointed activations into one contiguous buffer (Default: False)."""
+    number_checkpoints: int | None = None
+    """Number of checkpoints in the model, for the contiguous buffer (Default: None)."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at each checkpoint boundary (Default: False)."""
+    profile: bool = False
+    """Time the checkpointed forward and backward (Default: False)."""
+
+    def __post_init__(self) -> None:
+        w = "ActivationCheckpointingConfig"
+        for f in dataclasses.fields(self):
+            if f.name != "number_checkpoints":
+                check_bool(w, f.name, getattr(self, f.name))
+        if self.number_checkpoints is not None:
+            check_int(w, "number_checkpoints", self.number_checkpoints, lo=1)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any field asks for something (differs from its default)."""
+        return self != ActivationCheckpointingConfig()
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class OptimizerConfig:
     """The optimizer the engine builds over its fp32 master shards."""
 
@@ -174,10 +299,11 @@ class OptimizerConfig:
     """Lower-case optimizer name; DeepSpeed's "Adam" with ``adam_w_mode`` (its default)
     becomes "adamw". The 1-bit ones are built from :mod:`zpp.optim` on the engine's
     transport and do their own communication (ZeRO stage 0 only; see [Note: 1-bit
-    optimizers] in :mod:`zpp.zero.optimizer`)."""
+    optimizers] in :mod:`zpp.zero.engine`)."""
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of the optimizer (lr, betas, eps, weight_decay, momentum,
-    freeze_step...); see ``OPTIMIZER_PARAMS``."""
+    freeze_step...); see ``OPTIMIZER_PARAMS``, each type-checked by
+    ``OPTIMIZER_PARAM_CHECKS``. ``betas`` is stored as a tuple."""
 
     @property
     def onebit(self) -> bool:
@@ -187,16 +313,17 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.type not in OPTIMIZERS:
             raise ValueError(f"OptimizerConfig: type={self.type!r} must be one of {OPTIMIZERS}")
+        if not isinstance(self.params, Mapping):
+            raise fail("OptimizerConfig", "params", self.params, "a dict")
         allowed = OPTIMIZER_PARAMS[self.type]
         bad = sorted(set(self.params) - allowed)
         if bad:
             raise ValueError(f"OptimizerConfig: type={self.type!r} has unknown params {bad}; allowed {sorted(allowed)}")
-        lr = self.params.get("lr", 1e-3)
-        if not isinstance(lr, (int, float)) or lr < 0:
-            raise ValueError(f"OptimizerConfig: params.lr={lr!r} must be a non-negative number")
+        params = {k: OPTIMIZER_PARAM_CHECKS[k]("OptimizerConfig", f"params.{k}", v) for k, v in self.params.items()}
+        object.__setattr__(self, "params", params)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class SchedulerConfig:
     """A learning-rate schedule with DeepSpeed's names and parameters."""
 
@@ -204,11 +331,14 @@ class SchedulerConfig:
     """Schedule name."""
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     """warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type ("log"/"linear"),
-    total_num_steps (WarmupDecayLR), last_batch_iteration."""
+    total_num_steps (WarmupDecayLR), last_batch_iteration; each type-checked by
+    ``SCHEDULER_PARAM_CHECKS``."""
 
     def __post_init__(self) -> None:
         if self.type not in SCHEDULERS:
             raise ValueError(f"SchedulerConfig: type={self.type!r} must be one of {SCHEDULERS}")
+        if not isinstance(self.params, Mapping):
+            raise fail("SchedulerConfig", "params", self.params, "a dict")
         allowed = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}
         if self.type == "WarmupDecayLR":
             allowed.add("total_num_steps")
@@ -217,12 +347,11 @@ class SchedulerConfig:
         bad = sorted(set(self.params) - allowed)
         if bad:
             raise ValueError(f"SchedulerConfig: type={self.type!r} has unknown params {bad}; allowed {sorted(allowed)}")
-        wt = self.params.get("warmup_type", "log")
-        if wt not in ("log", "linear"):
-            raise ValueError(f"SchedulerConfig: params.warmup_type={wt!r} must be 'log' or 'linear'")
+        params = {k: SCHEDULER_PARAM_CHECKS[k]("SchedulerConfig", f"params.{k}", v) for k, v in self.params.items()}
+        object.__setattr__(self, "params", params)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig:
     """Everything :func:`zpp.initialize` needs to build an engine."""
 
@@ -236,10 +365,12 @@ class TrainConfig:
     """Clip gradients to this global L2 norm before the step; 0 turns it off (Default: 0).
     With a 1-bit optimizer the averaged gradient never exists outside the optimizer, so the
     norm clipped is ``sqrt(mean over ranks of ||local gradient||^2)``, an upper bound of the
-    averaged gradient's norm (see [Note: 1-bit optimizers] in :mod:`zpp.zero.optimizer`)."""
+    averaged gradient's norm (see [Note: 1-bit optimizers] in :mod:`zpp.zero.engine`)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Parameter dtype during training: "bf16" casts the model to bfloat16 and keeps fp32
-    master weights (Default: "fp32")."""
+    master weights (Default: "fp32"). fp16 is ``fp16.enabled``."""
+    fp16: Fp16Config = dataclasses.field(default_factory=Fp16Config)
+    """fp16 mixed precision and its loss scaling (Default: off)."""
     steps_per_print: int = 0
     """Rank 0 prints step and learning rate every this many optimizer steps; 0: never
     (Default: 0)."""
@@ -249,25 +380,33 @@ class TrainConfig:
     """Learning-rate schedule; None: constant (Default: None)."""
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
     """ZeRO stage and ZeRO++ switches."""
+    activation_checkpointing: ActivationCheckpointingConfig = dataclasses.field(
+        default_factory=ActivationCheckpointingConfig)
+    """DeepSpeed's activation checkpointing options (Default: all off)."""
     zpp: ZppConfig = dataclasses.field(default_factory=ZppConfig)
     """zpp's own knobs."""
 
     def __post_init__(self) -> None:
+        w = "TrainConfig"
         for name in ("train_micro_batch_size_per_gpu", "train_batch_size"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"TrainConfig: {name}={v!r} must be a positive integer")
-        g = self.gradient_accumulation_steps
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise ValueError(f"TrainConfig: gradient_accumulation_steps={g!r} must be a positive integer")
-        c = self.gradient_clipping
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0:
-            raise ValueError(f"TrainConfig: gradient_clipping={c!r} must be a number >= 0")
+            if getattr(self, name) is not None:
+                check_int(w, name, getattr(self, name), lo=1)
+        check_int(w, "gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1)
+        check_number(w, "gradient_clipping", self.gradient_clipping, lo=0)
         if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32' or 'bf16'")
-        s = self.steps_per_print
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(f"TrainConfig: steps_per_print={s!r} must be an integer >= 0")
+            raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32' or 'bf16' "
+                             "(fp16 is fp16.enabled)")
+        check_int(w, "steps_per_print", self.steps_per_print, lo=0)
+        for name, cls in (("fp16", Fp16Config), ("zero", ZeroConfig), ("zpp", ZppConfig),
+                          ("activation_checkpointing", ActivationCheckpointingConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise fail(w, name, getattr(self, name), f"a {cls.__name__}")
+        for name, cls in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), cls):
+                raise fail(w, name, getattr(self, name), f"a {cls.__name__} or None")
+        if self.fp16.enabled and self.precision == "bf16":
+            raise ValueError("TrainConfig: fp16.enabled=True and precision='bf16': choose one (DeepSpeed "
+                             "refuses both too)")
         if self.optimizer is not None and self.optimizer.onebit and self.zero.stage >= 1:
             name = ONEBIT_OPTIMIZERS[self.optimizer.type]
             raise NotImplementedError(
@@ -290,180 +429,49 @@ class TrainConfig:
                 )
 
 
-# ---------------------------------------------------------------------- DeepSpeed edge
-# Known DeepSpeed keys zpp does not implement, with a test for the values that ask for
-# nothing (see [Note: DeepSpeed keys]).
-def _absent_or(*ok):
-    return lambda v: v in ok
-
-
-def _disabled(v) -> bool:
-    """No feature asked for: false/None, ``{"enabled": false, ...}``, or a section whose
-    values are all false/empty."""
-    if v is False or v is None:
-        return True
-    if isinstance(v, Mapping):
-        return not v["enabled"] if "enabled" in v else not any(v.values())
-    return False
-
-
-def _device_none(v) -> bool:
-    return v is None or (isinstance(v, Mapping) and v.get("device", "none") in ("none", None))
-
-
-_TOP_UNIMPLEMENTED = {
-    "amp": _disabled, "activation_checkpointing": _disabled, "flops_profiler": _disabled,
-    "tensorboard": _disabled, "wandb": _disabled, "csv_monitor": _disabled, "comet": _disabled,
-    "comms_logger": _disabled, "sparse_attention": _disabled, "pipeline": _disabled,
-    "compression_training": _disabled, "data_efficiency": _disabled,
-    "curriculum_learning": _disabled, "elasticity": _disabled, "autotuning": _disabled,
-    "eigenvalue": _disabled, "progressive_layer_drop": _disabled, "quantize_training": _disabled,
-    "aio": _disabled, "nebula": _disabled, "hybrid_engine": _disabled,
-    "wall_clock_breakdown": _absent_or(False), "memory_breakdown": _absent_or(False),
-    "dump_state": _absent_or(False), "prescale_gradients": _absent_or(False),
-    "gradient_predivide_factor": _absent_or(1, 1.0), "sparse_gradients": _absent_or(False),
-    "communication_data_type": _absent_or(None, "fp32", "float32"),
-    "zero_allow_untested_optimizer": lambda v: True,  # a permission, not a behaviour
-    "zero_force_ds_cpu_optimizer": _absent_or(False), "disable_allgather": _absent_or(False),
-    "checkpoint": lambda v: v is None or v == {},
-    "data_types": lambda v: v is None or v == {} or v.get("grad_accum_dtype") in (None, "fp32"),
-    "dataloader_drop_last": _absent_or(False),
-}
-_ZERO_UNIMPLEMENTED = {
-    "offload_optimizer": _device_none, "offload_param": _device_none,
-    "overlap_comm": _absent_or(False), "contiguous_gradients": _absent_or(True, False),
-    "reduce_scatter": _absent_or(True), "allgather_partitions": _absent_or(True),
-    "stage3_max_live_parameters": lambda v: True if isinstance(v, (int, float)) and v >= 0 else False,
-    # zpp releases every module's parameters after use: reuse distance 0.
-    "stage3_max_reuse_distance": _absent_or(0),
-    "stage3_param_persistence_threshold": _absent_or(0),
-    "stage3_gather_16bit_weights_on_model_save": _absent_or(False),
-    "stage3_gather_fp16_weights_on_model_save": _absent_or(False),
-    "sub_group_size": lambda v: isinstance(v, (int, float)) and v >= 1,
-    "round_robin_gradients": _absent_or(False), "elastic_checkpoint": _absent_or(False),
-    "ignore_unused_parameters": _absent_or(True), "zero_quantized_nontrainable_weights": _absent_or(False),
-    "mics_shard_size": _absent_or(-1), "mics_hierarchical_params_gather": _absent_or(False),
-    "use_multi_rank_bucket_allreduce": _absent_or(True), "memory_efficient_linear": _absent_or(True),
-    "load_from_fp32_weights": _absent_or(True), "cpu_offload": _absent_or(False),
-    "zero_hpz_partition_size_auto": _absent_or(False), "stage3_module_granularity_threshold": _absent_or(0),
-    "log_trace_cache_warnings": _absent_or(False),
-}
-_TOP_KEYS = {
-    "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
-    "gradient_clipping", "optimizer", "scheduler", "bf16", "fp16", "zero_optimization",
-    "steps_per_print", "zpp",
-}
-_ZERO_KEYS = {
-    "stage", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
-    "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+# ---------------------------------------------------------------------- engine support
+#: Fields the typed config holds but the engine does not act on yet (see
+#: [Note: engine support]): name -> (asks for it?, what to say).
+ENGINE_PENDING: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
+    "fp16.enabled": (lambda c: c.fp16.enabled, "fp16 mixed precision with loss scaling; use bf16"),
+    "zero_optimization.offload_optimizer": (
+        lambda c: c.zero.offload_optimizer.device != "none", "optimizer state offload"),
+    "zero_optimization.offload_param": (lambda c: c.zero.offload_param.device != "none", "parameter offload"),
+    "activation_checkpointing": (
+        lambda c: c.activation_checkpointing.enabled, "DeepSpeed's activation checkpointing; use "
+        "torch.utils.checkpoint.checkpoint in the model"),
+    "zpp.nonfinite": (lambda c: c.zpp.nonfinite == "raise", "raising on non-finite gradients"),
 }
 
 
-def _check_keys(section: str, d: Mapping[str, Any], known: set[str], unimplemented: dict) -> None:
-    unknown = sorted(k for k in d if k not in known and k not in unimplemented)
-    if unknown:
-        where = f" in {section!r}" if section else ""
-        raise ValueError(f"DeepSpeed config: unknown keys{where}: {unknown}")
-    for k, ok in unimplemented.items():
-        if k in d and not ok(d[k]):
-            name = f"{section}.{k}" if section else k
-            raise NotImplementedError(f"DeepSpeed config: zpp does not implement {name}={d[k]!r}")
-
-
-def _int(v: Any, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-        raise ValueError(f"DeepSpeed config: {name}={v!r} must be an integer")
-    return int(v)
-
-
-def from_deepspeed(config: Mapping[str, Any] | str | os.PathLike) -> TrainConfig:
-    """Translate a DeepSpeed config (dict or path to a JSON file) into a :class:`TrainConfig`.
-    See [Note: DeepSpeed keys] for what is accepted."""
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            config = json.load(f)
-    if not isinstance(config, Mapping):
-        raise TypeError(f"DeepSpeed config: expected a dict or a JSON path, got {type(config).__name__}")
-    _check_keys("", config, _TOP_KEYS, _TOP_UNIMPLEMENTED)
-    kw: dict[str, Any] = {}
-    for k in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
-              "steps_per_print"):
-        if k in config and config[k] is not None:
-            kw[k] = _int(config[k], k)
-    if "gradient_clipping" in config:
-        kw["gradient_clipping"] = float(config["gradient_clipping"])
-
-    bf16 = config.get("bf16", {}) or {}
-    fp16 = config.get("fp16", {}) or {}
-    for name, sec in (("bf16", bf16), ("fp16", fp16)):
-        if not isinstance(sec, Mapping):
-            raise ValueError(f"DeepSpeed config: {name}={sec!r} must be a dict")
-    _check_keys("bf16", bf16, {"enabled"}, {"immediate_grad_update": _absent_or(False),
-                                            "check_grad_overflow": _absent_or(False)})
-    if fp16.get("enabled", False):
-        raise NotImplementedError("DeepSpeed config: zpp does not implement fp16.enabled=True "
-                                  "(fp16 needs loss scaling); use bf16")
-    if bf16.get("enabled", False):
-        kw["precision"] = "bf16"
-
-    if "optimizer" in config and config["optimizer"] is not None:
-        kw["optimizer"] = _optimizer(config["optimizer"])
-    if "scheduler" in config and config["scheduler"] is not None:
-        sch = config["scheduler"]
-        _check_keys("scheduler", sch, {"type", "params"}, {})
-        kw["scheduler"] = SchedulerConfig(type=sch.get("type"), params=dict(sch.get("params", {})))
-
-    zero = config.get("zero_optimization", {}) or {}
-    _check_keys("zero_optimization", zero, _ZERO_KEYS, _ZERO_UNIMPLEMENTED)
-    zkw: dict[str, Any] = {}
-    if "stage" in zero:
-        zkw["stage"] = _int(zero["stage"], "zero_optimization.stage")
-    for ds, ours in (("zero_quantized_weights", "quantized_weights"),
-                     ("zero_quantized_gradients", "quantized_gradients")):
-        if ds in zero:
-            if not isinstance(zero[ds], bool):
-                raise ValueError(f"DeepSpeed config: zero_optimization.{ds}={zero[ds]!r} must be true or false")
-            zkw[ours] = zero[ds]
-    for ds, ours in (("zero_hpz_partition_size", "hpz_partition_size"),
-                     ("reduce_bucket_size", "reduce_bucket_size"),
-                     ("allgather_bucket_size", "allgather_bucket_size"),
-                     ("stage3_prefetch_bucket_size", "prefetch_bucket_size")):
-        if ds in zero:
-            zkw[ours] = _int(zero[ds], f"zero_optimization.{ds}")
-    kw["zero"] = ZeroConfig(**zkw)
-
-    z = config.get("zpp", {}) or {}
-    fields = {f.name for f in dataclasses.fields(ZppConfig)}
-    _check_keys("zpp", z, fields, {})
-    kw["zpp"] = ZppConfig(**z)
-    return TrainConfig(**kw)
-
-
-def _optimizer(opt: Mapping[str, Any]) -> OptimizerConfig:
-    _check_keys("optimizer", opt, {"type", "params"}, {})
-    kind = str(opt.get("type", "")).lower()
-    params = dict(opt.get("params", {}) or {})
-    if kind == "adam":
-        # DeepSpeed's Adam decouples weight decay unless adam_w_mode is false.
-        if params.pop("adam_w_mode", True):
-            kind = "adamw"
-        params.pop("torch_adam", None)
-    elif kind == "adamw":
-        params.pop("adam_w_mode", None)
-        params.pop("torch_adam", None)
-    elif kind in ("lamb", "adagrad", "lion", "muadam"):
-        raise NotImplementedError(f"DeepSpeed config: zpp's engine does not implement optimizer.type={opt.get('type')!r}")
-    if kind in ("adam", "adamw"):
-        params.setdefault("weight_decay", 0.0)  # DeepSpeed's default, not torch AdamW's 0.01
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
-    return OptimizerConfig(type=kind, params=params)
+def check_engine_support(config: TrainConfig) -> None:
+    """Raise ``NotImplementedError`` naming every field of ``config`` that asks for something
+    in ``ENGINE_PENDING`` (parsed, not run by the engine yet)."""
+    asked = [(name, what) for name, (asks, what) in ENGINE_PENDING.items() if asks(config)]
+    if asked:
+        raise NotImplementedError(
+            "zpp.initialize: the config asks for what zpp parses but its engine does not run yet: "
+            + "; ".join(f"{name} ({what})" for name, what in asked))
 
 
 def as_config(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None) -> TrainConfig:
-    """A :class:`TrainConfig` from any of the accepted forms (None: all defaults)."""
+    """A :class:`TrainConfig` from any of the accepted forms (None: all defaults), refused
+    with ``NotImplementedError`` if it asks for what the engine does not run yet (see
+    [Note: engine support])."""
     if config is None:
-        return TrainConfig()
-    if isinstance(config, TrainConfig):
-        return config
-    return from_deepspeed(config)
+        config = TrainConfig()
+    elif not isinstance(config, TrainConfig):
+        from zpp.zero.deepspeed_config import from_deepspeed
+
+        config = from_deepspeed(config)
+    check_engine_support(config)
+    return config
+
+
+def __getattr__(name: str):
+    # from_deepspeed lived here before the DeepSpeed edge had its own module.
+    if name == "from_deepspeed":
+        from zpp.zero.deepspeed_config import from_deepspeed
+
+        return from_deepspeed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

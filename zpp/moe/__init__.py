@@ -1,0 +1,11 @@
+"""DeepSpeed's ``deepspeed.moe.utils`` helper for parameter groups. zpp has no MoE layers or
+expert parallelism: ``zpp.moe.layer`` raises an ``ImportError`` saying so."""
+from zpp.moe import utils
+
+__all__ = ["utils"]
+
+
+def __getattr__(name: str):
+    from zpp.unsupported import missing_attribute
+
+    raise missing_attribute(__name__, name)
