@@ -40,7 +40,7 @@ def _cfg(stage, gas=1, bf16=False):
 def _train(engine, kind, rank, steps):
     losses = []
     for step in steps:
-        for micro in range(engine.gradient_accumulation_steps):
+        for micro in range(engine.gradient_accumulation_steps()):
             loss = engine(*_batch(kind, rank, 10 * step + micro))
             engine.backward(loss)
             engine.step()

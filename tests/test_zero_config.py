@@ -81,7 +81,30 @@ def test_typed_config_validates():
         ZeroConfig(3)  # keyword-only
     cfg = TrainConfig(train_micro_batch_size_per_gpu=2, train_batch_size=10, gradient_accumulation_steps=1)
     with pytest.raises(ValueError, match="train_batch_size=10"):
-        cfg.check_world(4)
+        cfg.with_world(4)
+
+
+@pytest.mark.parametrize("given, world, want", [
+    (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4), 4, (32, 4, 2)),  # gas derived
+    (dict(train_batch_size=32, gradient_accumulation_steps=2), 4, (32, 4, 2)),  # micro derived
+    (dict(train_batch_size=32), 4, (32, 8, 1)),
+    (dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2), 2, (12, 3, 2)),
+    (dict(train_micro_batch_size_per_gpu=3), 2, (6, 3, 1)),
+    (dict(), 4, (None, None, 1)),
+])
+def test_batch_sizes_resolve_as_deepspeed(given, world, want):
+    c = TrainConfig(**given).with_world(world)
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == want
+
+
+@pytest.mark.parametrize("given, world, match", [
+    (dict(train_batch_size=30, train_micro_batch_size_per_gpu=4), 4, "multiple of micro"),
+    (dict(train_batch_size=30, gradient_accumulation_steps=4), 4, "multiple of gradient_accumulation_steps"),
+    (dict(train_batch_size=6), 4, "multiple of world_size"),
+])
+def test_batch_sizes_that_do_not_divide(given, world, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**given).with_world(world)
 
 
 def test_schedulers():
@@ -123,7 +146,7 @@ def _world_errors(t):
     if t.rank == t.world_size - 1:
         with torch.no_grad():
             m[1].bias[0] += 1.0
-    attempt("mismatch", m, base)
+    attempt("mismatch", m, {**base, "zpp": {"parameter_mismatch": "raise"}})  # the default broadcasts
     torch.manual_seed(0)
     good = torch.nn.Linear(3, 5)
     attempt("hpz_not_divide", good, {**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}})

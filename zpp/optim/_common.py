@@ -239,6 +239,11 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
         self.cuda_aware = bool(cuda_aware)
         self.flat = FlatParams(self.param_groups, who)
         self._layout_fixed = True
+        for i, (g, sl) in enumerate(zip(self.param_groups, self.flat.group_slices)):
+            mask = g.get("exp_avg_mask")
+            if mask is not None and mask.numel() != sl.stop - sl.start:
+                raise ValueError(f"{who}: exp_avg_mask of parameter group {i} has {mask.numel()} elements, its "
+                                 f"parameters {sl.stop - sl.start}")
         self.step_count = 0  # completed optimizer steps
         n, dev = self.flat.numel, self.flat.device
         self.buffers: dict[str, torch.Tensor | None] = {
@@ -267,6 +272,20 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
         b = g["betas"]
         if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
             raise ValueError(f"{who}: betas={b!r} must be two numbers in [0, 1)")
+        mask = g.get("exp_avg_mask")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise TypeError(f"{who}: exp_avg_mask must be a tensor, got {type(mask).__name__}")
+
+    def mask_momentum(self, m: torch.Tensor) -> None:
+        """Multiply each group's slice of the averaged momentum ``m`` by the group's
+        ``exp_avg_mask`` (DeepSpeed's: rows a model never trains, such as BERT's position
+        embeddings past the sequence length, keep an exact zero momentum instead of the
+        compression error). A no-op for groups without one."""
+        for _, g, sl in self.groups():
+            mask = g.get("exp_avg_mask")
+            if mask is None:
+                continue
+            m[sl].mul_(mask.reshape(-1).to(device=m.device, dtype=m.dtype))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -342,7 +361,8 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
                 f"{[len(r) for r in self.flat.group_params]}"
             )
         for g, saved in zip(self.param_groups, saved_groups):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+            # the exp_avg_mask of the training script wins over a saved one (as DeepSpeed's)
+            g.update({k: v for k, v in saved.items() if k not in ("params", "exp_avg_mask")})
         dev = self.flat.device
         self.flat.master.copy_(sd["master"])
         self.buffers = {k: (None if v is None else v.to(dev, torch.float32).clone()) for k, v in sd["buffers"].items()}

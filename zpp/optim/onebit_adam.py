@@ -80,6 +80,7 @@ class OneBitAdam(FusedOneBitOptimizer):
         for g, sl in groups:  # compression: local momentum, 1-bit averaged, frozen variance
             adam_moments(m[sl], None, grad[sl], g)
         self.compress_average(m)
+        self.mask_momentum(m)
         for g, sl in groups:
             bc1, _ = bias_corrections(g, step)
             _, bc2 = bias_corrections(g, self.freeze_step)

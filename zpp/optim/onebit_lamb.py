@@ -167,6 +167,7 @@ class OneBitLamb(FusedOneBitOptimizer):
         for _, g, sl in self.groups():
             new_m[sl].mul_(1.0 - g["betas"][0]).add_(m[sl], alpha=g["betas"][0])
         self.compress_average(new_m.mul_(k)).div_(k)
+        self.mask_momentum(new_m)
         for gi, g, sl in self.groups():
             beta1, beta2 = g["betas"]
             g_rec = (new_m[sl] - beta1 * m[sl]).div_(1.0 - beta1)

@@ -150,6 +150,7 @@ class ZeroOneAdam(FusedOneBitOptimizer):
                     if s["lrs"][i] > 0:
                         torch.div(u[sl], s["lrs"][i], out=m[sl])
                     torch.sub(anchor[sl], u[sl] / d, out=x[sl])
+                self.mask_momentum(m)
             anchor.copy_(x)
             s["lrs"] = [0.0] * len(s["lrs"])
         if full:

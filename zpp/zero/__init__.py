@@ -20,6 +20,8 @@ from zpp.zero.config import (
 )
 from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.engine import ZeroEngine
+from zpp.zero.gathered import GatheredParameters
+from zpp.zero.init import Init
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.schedulers import WarmupDecayLR, WarmupLR
 
@@ -37,6 +39,8 @@ __all__ = [
     "ZeroEngine",
     "ZppConfig",
     "check_same_config",
+    "GatheredParameters",
+    "Init",
     "from_deepspeed",
     "initialize",
 ]

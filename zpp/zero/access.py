@@ -68,6 +68,11 @@ def owned(param) -> bool:
     return id(param) in _OWNERS
 
 
+def owner_of(param) -> AccessOwner | None:
+    """The engine's owner object of ``param`` (None: no engine holds it)."""
+    return _OWNERS.get(id(param))
+
+
 def unregister(params) -> None:
     """Stop routing ``params``; they get their own class back."""
     for p in params:

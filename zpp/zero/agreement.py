@@ -147,12 +147,15 @@ def check_same_config(world: Transport, config: TrainConfig) -> None:
                      f"run the same config. " + "; ".join(parts))
 
 
-def check_same_parameters(world: Transport, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-    """Raise the same ValueError on every rank if any rank's parameters differ from rank 0's
-    (a CRC32 per parameter, one all-gather)."""
+def check_same_parameters(world: Transport, named: list[tuple[str, torch.nn.Parameter]], *,
+                          on_mismatch: str = "raise") -> list[str]:
+    """Compare every rank's parameters with rank 0's (a CRC32 per parameter, one all-gather)
+    and, where they differ, raise the same ValueError on every rank (``on_mismatch="raise"``)
+    or overwrite them with rank 0's (``"broadcast"``, one broadcast per differing parameter,
+    as DeepSpeed broadcasts the model). Returns the names of the parameters that differed."""
     W = world.world_size
     if W == 1:
-        return
+        return []
     count = torch.tensor([len(named)], dtype=torch.int64)
     counts = torch.empty(W, dtype=torch.int64)
     world.all_gather(counts, count)
@@ -166,13 +169,24 @@ def check_same_parameters(world: Transport, named: list[tuple[str, torch.nn.Para
     everyone = torch.empty(W * mine.numel(), dtype=torch.int64)
     world.all_gather(everyone, mine)
     rows = everyone.view(W, -1)
-    bad = (rows != rows[0]).any(dim=0).nonzero().flatten().tolist()
-    if bad:
-        i = bad[0] // 2
-        name, p = named[i]
-        ranks = [r for r in range(W) if bool((rows[r, 2 * i:2 * i + 2] != rows[0, 2 * i:2 * i + 2]).any())]
-        others = len({b // 2 for b in bad}) - 1
+    sizes_differ = (rows[:, 0::2] != rows[0, 0::2]).any(dim=0)
+    bad = sorted({b // 2 for b in (rows != rows[0]).any(dim=0).nonzero().flatten().tolist()})
+    if not bad:
+        return []
+    i = bad[0]
+    name, p = named[i]
+    ranks = [r for r in range(W) if bool((rows[r, 2 * i:2 * i + 2] != rows[0, 2 * i:2 * i + 2]).any())]
+    if on_mismatch == "raise" or bool(sizes_differ.any()):
         raise ValueError(
             f"zpp.initialize: parameter {name!r} ({tuple(p.shape)}, {p.dtype}) differs from rank 0's on "
-            f"ranks {ranks}" + (f" (and {others} more parameters differ)" if others else "")
-            + "; seed the model identically on every rank or load the same weights")
+            f"ranks {ranks}" + (f" (and {len(bad) - 1} more parameters differ)" if len(bad) > 1 else "")
+            + ("; shapes differ: build the same model on every rank" if bool(sizes_differ.any()) else
+               "; seed the model identically on every rank or load the same weights"))
+    with torch.no_grad():
+        for i in bad:
+            p = named[i][1]
+            t = p.data if p.data.is_contiguous() else p.data.contiguous()
+            world.broadcast(t, 0)
+            if t is not p.data:
+                p.data.copy_(t)
+    return [named[i][0] for i in bad]

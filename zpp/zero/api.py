@@ -1,13 +1,15 @@
-"""The DeepSpeed-facing entry point: :func:`initialize`.
+"""The DeepSpeed-facing entry point: :func:`initialize`, with ``deepspeed.initialize``'s signature.
 
-    engine, optimizer, _, lr_scheduler = zpp.initialize(model=model, config=ds_config)
-    for batch in data:
-        loss = loss_fn(engine(batch))
+    engine, optimizer, loader, lr_scheduler = zpp.initialize(args=args, model=model,
+                                                             model_parameters=model.parameters(),
+                                                             training_data=dataset)
+    for batch in loader:
+        loss = engine(batch)
         engine.backward(loss)
         engine.step()
 
-Launch one process per rank (``torchrun --nproc-per-node 4 train.py``); the transport is
-``zpp.comm.get_transport(config.zpp.transport)`` unless one is passed.
+Launch one process per rank (``torchrun --nproc-per-node 4 train.py``, ``mpiexec -n 4``);
+the transport is ``zpp.comm.get_transport(config.zpp.transport)`` unless one is passed.
 """
 from __future__ import annotations
 
@@ -17,58 +19,77 @@ from typing import Any
 import torch
 
 from zpp.comm.transport import Transport
-from zpp.zero.config import as_config
+from zpp.zero.deepspeed_config import from_args
 from zpp.zero.engine import ZeroEngine
+from zpp.zero.param_groups import ParamGroups
 
 
-def initialize(model: torch.nn.Module, model_parameters: Iterable | None = None, optimizer: Any = None,
-               config: Any = None, lr_scheduler: Any = None, *, transport: Transport | None = None,
-               training_data: Any = None, config_params: Any = None, **kwargs):
-    """DeepSpeed-style entry point.
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Any = None, config: Any = None, mesh_param: Any = None, config_params: Any = None,
+               *, transport: Transport | None = None):
+    """Build a :class:`~zpp.zero.engine.ZeroEngine`, as ``deepspeed.initialize`` builds its engine.
 
     Args:
-        model: any ``nn.Module`` with fp32 or bf16 parameters, identical on every rank.
-        model_parameters: parameters to train (Default: every parameter that requires grad);
-            the others stay frozen.
-        optimizer: a torch optimizer (rebuilt with its ``defaults`` over the master shards)
-            or a factory ``params -> optimizer``, when the config has no "optimizer".
-        config: a DeepSpeed dict, a JSON path, or a :class:`TrainConfig`.
+        args: an ``argparse`` namespace; ``args.deepspeed_config`` names the config when
+            ``config`` is None (``zpp.add_config_arguments`` adds it), ``args.zpp_config`` a
+            JSON file of zpp's own keys.
+        model: any ``nn.Module`` with fp32, bf16 or fp16 parameters. Weights that differ
+            between ranks are replaced by rank 0's (``zpp.check_parameters``).
+        optimizer: a torch optimizer (rebuilt with its ``defaults`` over the fp32 master
+            shards, one group per group of its own) or a factory ``param_groups ->
+            optimizer``, when the config has no "optimizer".
+        model_parameters: what to train: parameters, a generator of them, or parameter-group
+            dicts with their own options (``weight_decay``, ``lr``, the 1-bit optimizers'
+            ``exp_avg_mask``); the others are frozen (Default: every parameter that requires
+            grad). Ignored when ``optimizer`` is a torch optimizer: its groups decide, as in
+            DeepSpeed.
+        training_data: a ``torch.utils.data.Dataset``; the third return value is then a
+            ``DataLoader`` over it with a ``DistributedSampler`` and the config's
+            ``train_micro_batch_size_per_gpu`` (with ``collate_fn``).
         lr_scheduler: a scheduler object or a factory ``optimizer -> scheduler``, when the
             config has no "scheduler".
-        transport: the transport to run on (Default: ``zpp.comm.get_transport(config.zpp.transport)``).
+        distributed_port: accepted for DeepSpeed's signature; the launcher's ``MASTER_PORT``
+            (or zpp's launch detection) sets the rendezvous.
+        mpu: model parallelism is not implemented: anything but None raises
+            ``NotImplementedError``.
+        dist_init_required: accepted; the transport initializes ``torch.distributed`` when it
+            needs it and is not initialized yet.
+        collate_fn: the data loader's ``collate_fn``.
+        config: a DeepSpeed dict, a JSON path, or a :class:`~zpp.zero.config.TrainConfig`.
+        mesh_param: device meshes are not implemented: anything but None raises
+            ``NotImplementedError``.
+        config_params: DeepSpeed's older name of ``config``.
+        transport: zpp's own: the transport to run on (Default:
+            ``zpp.comm.get_transport(config.zpp.transport)``).
 
     Returns:
-        ``(engine, optimizer, None, lr_scheduler)``, like ``deepspeed.initialize``.
+        ``(engine, optimizer, training_dataloader, lr_scheduler)``, as DeepSpeed:
+        ``training_dataloader`` is None without ``training_data``.
     """
-    if kwargs:
-        raise TypeError(f"zpp.initialize: unexpected arguments {sorted(kwargs)}")
-    if training_data is not None:
-        raise NotImplementedError("zpp.initialize: training_data= (a DeepSpeed data loader) is not implemented")
+    if model is None:
+        raise ValueError("zpp.initialize: model= is required")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zpp.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if mpu is not None:
+        raise NotImplementedError("zpp.initialize: mpu= (model parallelism) is not implemented: zpp is data "
+                                  "parallel (ZeRO, ZeRO++), over one world")
+    if mesh_param is not None:
+        raise NotImplementedError("zpp.initialize: mesh_param= (device meshes) is not implemented")
     if config is not None and config_params is not None:
         raise ValueError("zpp.initialize: pass config or config_params, not both")
-    cfg = as_config(config if config is not None else config_params)
+    cfg = from_args(args, config if config is not None else config_params)
     if transport is None:
         from zpp.comm import registry
 
         transport = registry.get_transport(cfg.zpp.transport)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = ParamGroups.of_optimizer(optimizer)
+    else:
+        groups = ParamGroups.of(model_parameters)
     engine = ZeroEngine(model, config=cfg, world=transport, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        trainable=_trainable_ids(model_parameters))
-    return engine, engine.optimizer, None, engine.lr_scheduler
-
-
-def _trainable_ids(model_parameters: Iterable | None) -> set[int] | None:
-    if model_parameters is None:
-        return None
-    ids: set[int] = set()
-    for item in model_parameters:
-        if isinstance(item, dict):
-            extra = sorted(set(item) - {"params", "name"})
-            if extra:
-                raise NotImplementedError(
-                    f"zpp.initialize: parameter groups with their own options ({extra}) are not supported")
-            ps = item["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else ps
-            ids.update(id(p) for p in ps)
-        else:
-            ids.add(id(item))
-    return ids
+                        groups=groups)
+    loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
+    engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, engine.lr_scheduler

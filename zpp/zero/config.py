@@ -184,8 +184,13 @@ class ZppConfig:
     ``zero_optimization.stage3_prefetch_bucket_size`` elements; False gathers each unit at
     its point of use only (Default: True)."""
     check_parameters: bool = True
-    """At initialize, check that every rank holds the same parameters (one small
-    all-gather of checksums) (Default: True)."""
+    """At initialize, compare every rank's parameters with rank 0's (one small all-gather of
+    checksums) and act on ``parameter_mismatch`` where they differ; False: no check
+    (Default: True)."""
+    parameter_mismatch: Literal["broadcast", "raise"] = "broadcast"
+    """What a parameter that differs from rank 0's gets: "broadcast": rank 0's value, logged
+    once (DeepSpeed broadcasts the model at initialize, and unseeded scripts rely on it);
+    "raise": a ValueError on every rank naming it (Default: "broadcast")."""
     check_metadata: bool | None = None
     """Set the transport's per-call metadata check; None leaves it as it is (Default: None)."""
     reshard_after_forward: bool = True
@@ -224,6 +229,7 @@ class ZppConfig:
         if not isinstance(self.transport, str) or not self.transport:
             raise fail(w, "transport", self.transport, "a transport name")
         check_choice(w, "nonfinite", self.nonfinite, NONFINITE)
+        check_choice(w, "parameter_mismatch", self.parameter_mismatch, ("broadcast", "raise"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -359,8 +365,10 @@ class TrainConfig:
     """Samples per rank per micro-step; informational and for the batch check (Default: None)."""
     train_batch_size: int | None = None
     """Global batch; must equal micro * accumulation * world when all are given (Default: None)."""
-    gradient_accumulation_steps: int = 1
-    """Micro-steps per optimizer step; ``backward`` scales the loss by its inverse (Default: 1)."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-steps per optimizer step; ``backward`` scales the loss by its inverse. None: from
+    ``train_batch_size / (train_micro_batch_size_per_gpu * world_size)`` when both are given,
+    else 1, as DeepSpeed derives it (see :meth:`with_world`) (Default: None)."""
     gradient_clipping: float = 0.0
     """Clip gradients to this global L2 norm before the step; 0 turns it off (Default: 0).
     With a 1-bit optimizer the averaged gradient never exists outside the optimizer, so the
@@ -391,7 +399,8 @@ class TrainConfig:
         for name in ("train_micro_batch_size_per_gpu", "train_batch_size"):
             if getattr(self, name) is not None:
                 check_int(w, name, getattr(self, name), lo=1)
-        check_int(w, "gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1)
+        if self.gradient_accumulation_steps is not None:
+            check_int(w, "gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1)
         check_number(w, "gradient_clipping", self.gradient_clipping, lo=0)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32' or 'bf16' "
@@ -416,17 +425,39 @@ class TrainConfig:
                 "Keeping ZeRO's memory saving would need a sharded compressed momentum exchange, which zpp "
                 "does not implement; use zero_optimization.stage=0 (plain data parallel)")
 
-    def check_world(self, world_size: int) -> None:
-        """The batch-size identity of DeepSpeed, once the world size is known."""
-        micro, total = self.train_micro_batch_size_per_gpu, self.train_batch_size
-        if micro is not None and total is not None:
-            want = micro * self.gradient_accumulation_steps * world_size
-            if total != want:
-                raise ValueError(
-                    f"TrainConfig: train_batch_size={total} != train_micro_batch_size_per_gpu * "
-                    f"gradient_accumulation_steps * world_size = {micro} * "
-                    f"{self.gradient_accumulation_steps} * {world_size} = {want}"
-                )
+    def with_world(self, world_size: int) -> TrainConfig:
+        """The config with the batch sizes resolved for ``world_size`` as DeepSpeed resolves
+        them (``train_batch_size = micro * gas * world_size``; any two given determine the
+        third, one given alone means ``gas = 1``); ValueError naming the three values when
+        they contradict each other or do not divide."""
+        total, micro, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        where = (f"train_batch_size={total}, train_micro_batch_size_per_gpu={micro}, "
+                 f"gradient_accumulation_steps={gas}, world_size={world_size}")
+        if total is not None and micro is not None and gas is None:
+            gas, rest = divmod(total, micro * world_size)
+            if rest or gas < 1:
+                raise ValueError(f"TrainConfig: {where}: train_batch_size must be a positive multiple of "
+                                 "micro * world_size")
+        elif total is not None and gas is not None and micro is None:
+            micro, rest = divmod(total, gas * world_size)
+            if rest or micro < 1:
+                raise ValueError(f"TrainConfig: {where}: train_batch_size must be a positive multiple of "
+                                 "gradient_accumulation_steps * world_size")
+        elif total is not None and micro is None:
+            gas = 1
+            micro, rest = divmod(total, world_size)
+            if rest or micro < 1:
+                raise ValueError(f"TrainConfig: {where}: train_batch_size must be a positive multiple of world_size")
+        gas = 1 if gas is None else gas
+        if micro is not None and total is None:
+            total = micro * gas * world_size
+        if total is not None and total != micro * gas * world_size:
+            raise ValueError(
+                f"TrainConfig: train_batch_size={total} != train_micro_batch_size_per_gpu * "
+                f"gradient_accumulation_steps * world_size = {micro} * {gas} * {world_size} = "
+                f"{micro * gas * world_size}")
+        return dataclasses.replace(self, train_batch_size=total, train_micro_batch_size_per_gpu=micro,
+                                   gradient_accumulation_steps=gas)
 
 
 # ---------------------------------------------------------------------- engine support

@@ -17,6 +17,7 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -24,7 +25,8 @@ import torch
 
 from zpp.comm.transport import Transport
 from zpp.zero import access, checkpoint
-from zpp.zero.agreement import check_same_parameters
+from zpp.zero import init as zinit
+from zpp.zero.agreement import check_same_config, check_same_parameters
 from zpp.zero.comm_api import Comms, Phase
 from zpp.zero.config import TrainConfig
 from zpp.zero.gather import build_gathers
@@ -32,6 +34,7 @@ from zpp.zero.gradnorm import clip_grads
 from zpp.zero.hooks import EngineHooks
 from zpp.zero.memory import model_state_bytes
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer
+from zpp.zero.param_groups import ParamGroups
 from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.prefetch import Prefetcher, PrefetchStats
@@ -39,65 +42,79 @@ from zpp.zero.reduce import build_reduce
 from zpp.zero.unit import Unit, UnitComms
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
+log = logging.getLogger("zpp.zero")
 
 
-class ZeroEngine:
-    """Wraps a module for ZeRO data-parallel training. Build it with :func:`initialize`.
+class ZeroEngine(torch.nn.Module):
+    """Wraps a module for ZeRO data-parallel training, as DeepSpeed's engine does (an
+    ``nn.Module`` holding the model as ``module``). Build it with :func:`initialize`.
 
     Attributes:
         module: the wrapped model.
-        config: the :class:`TrainConfig` in force.
+        config: the :class:`TrainConfig` in force (batch sizes resolved for the world).
         policy: the :class:`ShardingPolicy` derived from it.
         world: the transport over every rank.
         comms: what the units share (:class:`UnitComms`: policy, gathers, reduction).
         units: the communication units, in flat order.
-        optimizer: the torch optimizer over the fp32 master shards.
+        optimizer: the torch optimizer over the fp32 master shards (one group per parameter
+            group; a script may write each group's ``lr``).
         lr_scheduler: the schedule, or None.
+        training_dataloader: the loader :func:`initialize` built from ``training_data``, or None.
         onebit_views: with a 1-bit optimizer, the per-parameter views it steps, else None.
-        global_steps: optimizer steps taken; micro_steps: ``step()`` calls.
+        global_steps: optimizer steps taken; micro_steps: ``step()`` calls; global_samples:
+            samples trained on, over every rank.
     """
 
     def __init__(self, module: torch.nn.Module, *, config: TrainConfig, world: Transport,
-                 optimizer: Any = None, lr_scheduler: Any = None,
-                 trainable: set[int] | None = None) -> None:
+                 optimizer: Any = None, lr_scheduler: Any = None, groups: ParamGroups | None = None) -> None:
+        super().__init__()
         self.module = module
-        self.config = config
+        self.config = config = config.with_world(world.world_size)
         self.world = world
         self.policy = policy = ShardingPolicy.from_config(config)
-        config.check_world(world.world_size)
+        check_same_config(world, config)
         if config.zpp.check_metadata is not None:
             world.check_metadata = config.zpp.check_metadata
         if config.precision == "bf16":
-            module.to(torch.bfloat16)
+            _cast(module, torch.bfloat16)
         for name, p in module.named_parameters():
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"zpp.initialize: parameter {name} has dtype {p.dtype}; "
                                 f"expected one of {_PARAM_DTYPES}")
-        managed = [n for n, p in module.named_parameters() if access.owned(p)]
+        managed = [n for n, p in module.named_parameters() if access.owned(p) and not zinit.is_loose(p)]
         if managed:
             raise ValueError(f"zpp.initialize: parameters {managed[:5]} are partitioned by another zpp engine; "
                              "call that engine's close() first (it restores the full parameters)")
         self._broadcast_buffers()
-        if config.zpp.check_parameters:
-            check_same_parameters(world, list(module.named_parameters()))
+        if config.zpp.check_parameters:  # (zpp.zero.Init's loose shards have no replicas to compare)
+            synced = check_same_parameters(world, [(n, p) for n, p in module.named_parameters()
+                                                   if not zinit.is_loose(p)],
+                                           on_mismatch=config.zpp.parameter_mismatch)
+            if synced and world.rank == 0:
+                log.warning("zpp.initialize: %d parameters differed between ranks (first: %r); rank 0's were "
+                            "broadcast to every rank (seed the model identically to avoid this, or set "
+                            "zpp.parameter_mismatch='raise')", len(synced), synced[0])
         comms = Comms(world=world, topology=self._topology(), config=config)
         self.comms = UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy),
                                reduce=build_reduce(comms, policy))
-        plan = plan_units(module, policy=policy, config=config, trainable=trainable, make_unit=self._make_unit)
+        groups = groups if groups is not None else ParamGroups.all_parameters()
+        plan = plan_units(module, policy=policy, config=config, groups=groups, make_unit=self._make_unit)
         self.units: tuple[Unit, ...] = plan.units
         self._prefetch = Prefetcher(self.units, bucket_numel=config.zero.prefetch_bucket_size,
                                     enabled=policy.shard_parameters and config.zpp.prefetch, world=world)
         self.hooks = EngineHooks(module, plan, policy=policy, prefetcher=self._prefetch)
         self.hooks.install()
-        self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world)
+        self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
         self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
+        self.training_dataloader = None
         self.global_steps = 0
+        self.global_samples = 0
         self.micro_steps = 0
         self.last_grad_norm: float | None = None
 
     # ------------------------------------------------------------------ construction
-    def _make_unit(self, index: int, named: list[tuple[str, torch.nn.Parameter]], trainable: bool) -> Unit:
-        return Unit(index, [n for n, _ in named], [p for _, p in named], trainable=trainable, comms=self.comms)
+    def _make_unit(self, index: int, named: list[tuple[str, torch.nn.Parameter]], group: int) -> Unit:
+        return Unit(index, [n for n, _ in named], [p for _, p in named], group=group, comms=self.comms)
 
     def _topology(self):
         """The world's node structure when a collective needs it (hpZ, qgZ), else None."""
@@ -124,30 +141,93 @@ class ZeroEngine:
                     b.data.copy_(t)
 
     # ------------------------------------------------------------------ training API
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    forward = __call__
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: Any = None, pin_memory: bool = True,
+                     data_sampler: Any = None, collate_fn: Any = None, num_local_io_workers: int | None = None):
+        """A ``DataLoader`` over ``dataset`` for this rank, as DeepSpeed's: a
+        ``DistributedSampler`` over the data-parallel ranks (shuffled; call
+        ``loader.sampler.set_epoch(e)`` per epoch) unless ``data_sampler`` is given, and
+        ``train_micro_batch_size_per_gpu`` samples per batch unless ``batch_size`` is."""
+        from torch.utils.data import DataLoader, DistributedSampler
 
-    def train(self, mode: bool = True) -> ZeroEngine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> ZeroEngine:
-        return self.train(False)
+        del route  # DeepSpeed's train/eval routing only picks defaults
+        bs = batch_size if batch_size is not None else self.config.train_micro_batch_size_per_gpu
+        if bs is None:
+            raise ValueError("zpp.initialize: training_data= needs train_micro_batch_size_per_gpu (or "
+                             "train_batch_size) in the config")
+        sampler = data_sampler if data_sampler is not None else DistributedSampler(
+            dataset, num_replicas=self.world.world_size, rank=self.world.rank)
+        return DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate_fn,
+                          num_workers=num_local_io_workers or 0,
+                          pin_memory=pin_memory and torch.cuda.is_available())
 
     @property
+    def global_rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def local_rank(self) -> int:
+        from zpp.comm.topology import Layout
+
+        return Layout.from_node_keys(self.world.rank, self.world.nodes).local_rank
+
+    @property
+    def device(self) -> torch.device:
+        p = next(iter(self.units), None)
+        return p.flat.shard.device if p is not None else torch.device("cpu")
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        return self.config.train_batch_size
+
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero.stage > 0
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer type as DeepSpeed spells it, or the class name of the
+        optimizer passed in."""
+        from zpp.zero.config import ONEBIT_OPTIMIZERS
+
+        cfg = self.config.optimizer
+        if cfg is None:
+            return type(self.optimizer).__name__
+        return ONEBIT_OPTIMIZERS.get(cfg.type, cfg.type)
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps``; with sharded gradients, flush
         the units whose gradients did not all arrive (see [Note: stage 3 hooks] in
         :mod:`zpp.zero.hooks`), then release every gathered unit."""
-        gas = self.gradient_accumulation_steps
+        gas = self.config.gradient_accumulation_steps
         (loss / gas if gas > 1 else loss).backward()
         if self.policy.reduce_each_micro_step:
             for u in self.units:
@@ -167,7 +247,9 @@ class ZeroEngine:
         micro-step), clip, run the optimizer on the master shards, publish the new weights,
         advance the schedule."""
         self.micro_steps += 1
-        if self.micro_steps % self.gradient_accumulation_steps:
+        if self.config.train_micro_batch_size_per_gpu is not None:
+            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.world.world_size
+        if self.micro_steps % self.config.gradient_accumulation_steps:
             return
         trained = [u for u in self.units if u.trainable]
         if not self.policy.reduce_each_micro_step:
@@ -245,3 +327,16 @@ class ZeroEngine:
             for u in self.units:
                 u.gather(Phase.EXACT)
         self.hooks.remove()
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for floating parameters and buffers, also for parameters still
+    partitioned by :class:`zpp.zero.Init` (whose data must not be read)."""
+    for p in module.parameters():
+        if zinit.is_loose(p):
+            zinit.cast_loose(p, dtype)
+        elif p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for b in module.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(dtype)

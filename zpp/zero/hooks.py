@@ -89,13 +89,13 @@ class EngineHooks(access.AccessOwner):
     def install(self) -> None:
         """Register every hook the policy needs (the handles are kept for :meth:`remove`)."""
         h = self.handles
+        access.register([p for u in self.units for p in u.params], self)
         h.append(self.module.register_forward_pre_hook(self._begin))
         if self.policy.shard_parameters:
             for m in self.module.modules():
                 h.append(m.register_forward_pre_hook(self._pre_forward))
                 h.append(m.register_forward_hook(self._post_forward))
             h.append(self.module.register_forward_hook(self._end_forward))
-            access.register([p for u in self.units for p in u.params], self)
         if self.policy.reduce_each_micro_step:
             for u in self.units:
                 if u.trainable:

@@ -32,7 +32,8 @@ import torch
 
 from zpp.comm.transport import Transport
 from zpp.optim._common import FusedOneBitOptimizer
-from zpp.zero.config import ONEBIT_OPTIMIZERS, OptimizerConfig, TrainConfig
+from zpp.zero.config import ONEBIT_OPTIMIZERS, OPTIMIZER_PARAMS, OptimizerConfig, TrainConfig
+from zpp.zero.param_groups import ParamGroups
 from zpp.zero.schedulers import build_scheduler
 from zpp.zero.shard import Slot
 from zpp.zero.unit import Unit
@@ -53,34 +54,37 @@ class OneBitView(NamedTuple):
     param: torch.nn.Parameter
 
 
-def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit],
-                    world: Transport) -> tuple[torch.optim.Optimizer, tuple[OneBitView, ...] | None]:
-    """The optimizer over the trainable units' masters, and the 1-bit views when the
-    optimizer is a 1-bit one from the config (None otherwise).
+def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit], world: Transport,
+                    groups: ParamGroups) -> tuple[torch.optim.Optimizer, tuple[OneBitView, ...] | None]:
+    """The optimizer over the trainable units' masters, one optimizer group per parameter
+    group (with that group's options), and the 1-bit views when the optimizer is a 1-bit
+    one from the config (None otherwise).
 
-    ``given``: a torch optimizer (rebuilt with its ``defaults`` over the masters) or a
-    factory ``params -> optimizer``; only when the config has no ``optimizer``."""
+    ``given``: a torch optimizer (rebuilt with its ``defaults`` over the masters; its groups
+    are ``groups``) or a factory ``param_groups -> optimizer``; only when the config has no
+    ``optimizer``."""
     cfg = config.optimizer
     if cfg is not None and given is not None:
         raise ValueError("zpp.initialize: an optimizer is given both in the config and as optimizer=")
+    if cfg is not None:
+        _check_group_options(cfg, groups)
     if cfg is not None and cfg.onebit:
         views = _onebit_views(units)
-        return _build_onebit(cfg, [v.param for v in views], world), views
-    masters = [u.flat.master for u in units if u.trainable]
+        by_group = [{"params": [v.param for v in views if v.unit.group == g], **groups.options[g]}
+                    for g in range(len(groups))]
+        return _build_onebit(cfg, by_group, world), views
+    param_groups = [{"params": [u.flat.master for u in units if u.group == g], **groups.options[g]}
+                    for g in range(len(groups))]
     if cfg is not None:
-        return OPTIMIZERS[cfg.type](masters, **cfg.params), None
+        return OPTIMIZERS[cfg.type](param_groups, **cfg.params), None
     if given is None:
         raise ValueError("zpp.initialize: no optimizer: pass optimizer= or set config['optimizer']")
     if isinstance(given, FusedOneBitOptimizer):
         built = given
     elif isinstance(given, torch.optim.Optimizer):
-        if len(given.param_groups) > 1:
-            raise NotImplementedError(
-                f"zpp.initialize: an optimizer with {len(given.param_groups)} parameter groups; zpp "
-                "builds one group over its flat master shards")
-        built = type(given)(masters, **given.defaults)
+        built = type(given)(param_groups, **given.defaults)
     elif callable(given):
-        built = given(masters)
+        built = given(param_groups)
     else:
         raise TypeError(f"zpp.initialize: optimizer={given!r} must be a torch optimizer or a factory "
                         "taking a list of parameters")
@@ -90,6 +94,18 @@ def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit],
             "engine's flat buckets next to the engine's own gradient all-reduce; set it in the config "
             "instead: {'optimizer': {'type': ..., 'params': {...}}}")
     return built, None
+
+
+def _check_group_options(cfg: OptimizerConfig, groups: ParamGroups) -> None:
+    allowed = OPTIMIZER_PARAMS[cfg.type] | {"name"}
+    for g, opts in enumerate(groups.options):
+        bad = sorted(set(opts) - allowed - {"exp_avg_mask"})
+        if bad:
+            raise ValueError(f"zpp.initialize: parameter group {g} sets {bad}, which optimizer {cfg.type!r} does "
+                             f"not take; it takes {sorted(allowed)}")
+        if "exp_avg_mask" in opts and not cfg.onebit:
+            raise ValueError(f"zpp.initialize: parameter group {g} sets exp_avg_mask, which only the 1-bit "
+                             f"optimizers take (optimizer.type={cfg.type!r})")
 
 
 def build_lr_scheduler(config: TrainConfig, given: Any, optimizer: torch.optim.Optimizer) -> Any:
@@ -116,7 +132,7 @@ def _onebit_views(units: Sequence[Unit]) -> tuple[OneBitView, ...]:
     return tuple(views)
 
 
-def _build_onebit(cfg: OptimizerConfig, params: list[torch.nn.Parameter], world: Transport) -> FusedOneBitOptimizer:
+def _build_onebit(cfg: OptimizerConfig, params: list[dict], world: Transport) -> FusedOneBitOptimizer:
     import zpp.optim as zo
 
     backend = cfg.params.get("comm_backend_name")

@@ -30,7 +30,8 @@ Without sharded parameters (stages 0-2) the parameters are cut, in model order, 
 buckets of at most ``min(reduce_bucket_size, allgather_bucket_size)`` elements (a larger
 parameter is a bucket of its own): one gradient reduction and one all-gather per bucket.
 
-Either way a unit holds parameters of one dtype that are all trained or all frozen.
+Either way a unit holds parameters of one dtype and one optimizer group (or all frozen):
+see :mod:`zpp.zero.param_groups`.
 """
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ from collections.abc import Callable
 
 import torch
 
+from zpp.zero import init as zinit
 from zpp.zero.config import TrainConfig
+from zpp.zero.param_groups import ParamGroups
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.unit import Unit
 
 Named = list[tuple[str, torch.nn.Parameter]]
-MakeUnit = Callable[[int, Named, bool], Unit]
+MakeUnit = Callable[[int, Named, int], Unit]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,19 +63,19 @@ class UnitPlan:
 
 
 def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: TrainConfig,
-               trainable: set[int] | None, make_unit: MakeUnit) -> UnitPlan:
-    """Plan the units of ``module``; ``make_unit(index, named, trainable)`` builds each. ``trainable``: ids of the parameters to train
-    (None: every parameter that requires grad)."""
+               groups: ParamGroups, make_unit: MakeUnit) -> UnitPlan:
+    """Plan the units of ``module``; ``make_unit(index, named, group)`` builds each
+    (``group``: the optimizer group of its parameters, or ``param_groups.FROZEN``)."""
     units: list[Unit] = []
     owner: dict[int, Unit] = {}
     created: dict[int, list[Unit]] = collections.defaultdict(list)
     owned = _owned_parameters(module)
 
-    def key(p: torch.nn.Parameter) -> tuple[bool, torch.dtype]:
-        return (p.requires_grad and (trainable is None or id(p) in trainable), p.dtype)
+    def key(p: torch.nn.Parameter) -> tuple[int, torch.dtype]:
+        return (groups.group(p), p.dtype)
 
-    def add(named: Named, train: bool, at: torch.nn.Module | None = None) -> None:
-        u = make_unit(len(units), named, train)
+    def add(named: Named, group: int, at: torch.nn.Module | None = None) -> None:
+        u = make_unit(len(units), named, group)
         units.append(u)
         for _, p in named:
             owner[id(p)] = u
@@ -89,7 +92,7 @@ def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: Train
         def is_unit_root(m: torch.nn.Module, acc: Named) -> bool:
             if roots is not None:
                 return id(m) in roots
-            return sum(p.numel() for _, p in acc) >= min_numel
+            return sum(zinit.numel_of(p) for _, p in acc) >= min_numel
 
         def visit(m: torch.nn.Module, is_root: bool) -> Named:
             visited.add(id(m))
@@ -98,11 +101,11 @@ def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: Train
                 if id(c) not in visited:
                     acc.extend(visit(c, False))
             if acc and (is_root or is_unit_root(m, acc)):
-                groups: dict[tuple, Named] = collections.defaultdict(list)
+                by_key: dict[tuple, Named] = collections.defaultdict(list)
                 for n, p in acc:
-                    groups[key(p)].append((n, p))
-                for (train, _dt), named in groups.items():
-                    add(named, train, m)
+                    by_key[key(p)].append((n, p))
+                for (group, _dt), named in by_key.items():
+                    add(named, group, m)
                 return []
             return acc
 
@@ -114,12 +117,12 @@ def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: Train
         for own in owned.values():
             for n, p in own:
                 k = key(p)
-                if open_.get(k) and sizes[k] + p.numel() > cap:
+                if open_.get(k) and sizes[k] + zinit.numel_of(p) > cap:
                     add(open_.pop(k), k[0])
                 if k not in open_:
                     open_[k], sizes[k] = [], 0
                 open_[k].append((n, p))
-                sizes[k] += p.numel()
+                sizes[k] += zinit.numel_of(p)
         for k, named in open_.items():
             add(named, k[0])
     needs = []

@@ -36,7 +36,9 @@ import torch
 
 from zpp.comm.transport import Transport, Work
 from zpp.zero import access
+from zpp.zero import init as zinit
 from zpp.zero.comm_api import GradReduce, Phase, WeightGather
+from zpp.zero.param_groups import FROZEN
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.shard import FlatLayout, FlatShard, ShardState
 
@@ -73,21 +75,22 @@ class Unit:
     Args:
         index: position in the engine's unit list (the order of every flush and checkpoint).
         names, params: qualified names and the parameters, in flat order.
-        trainable: whether the parameters are trained (frozen units have no master, no
-            gradients, no optimizer state).
+        group: the optimizer group of the parameters (:mod:`zpp.zero.param_groups`), or
+            ``FROZEN``: frozen units have no master, no gradients, no optimizer state.
         comms: the engine's :class:`UnitComms`.
     """
 
     def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.nn.Parameter],
-                 *, trainable: bool, comms: UnitComms) -> None:
+                 *, group: int, comms: UnitComms) -> None:
         self.index = index
         self.names = tuple(names)
         self.params = tuple(params)
-        self.trainable = trainable
+        self.group = group
+        self.trainable = trainable = group != FROZEN
         self.comms = comms
         dtype = self.params[0].dtype
         degree = comms.degree
-        self.layout = FlatLayout(self.names, [p.shape for p in self.params], degree)
+        self.layout = FlatLayout(self.names, [zinit.shape_of(p) for p in self.params], degree)
         self.flat = FlatShard(self.layout, comms.world.rank if degree > 1 else 0, dtype)
         #: parameters whose gradient the backward delivers (post-accumulate hooks)
         self.expected_grads = sum(1 for p in self.params if p.requires_grad) if trainable else 0
@@ -96,6 +99,8 @@ class Unit:
         self.reduced = False
         #: forward users currently inside a module that needs this unit (stage 3)
         self.forward_users = 0
+        #: open GatheredParameters blocks holding this unit gathered (never released meanwhile)
+        self.pinned = 0
         #: the gather in flight while GATHERING
         self.inflight: Started | None = None
         self._materialize()
@@ -104,21 +109,48 @@ class Unit:
     def _materialize(self) -> None:
         f, lay = self.flat, self.layout
         device = self.params[0].device
-        full = lay.flatten([p.detach() for p in self.params], f.dtype, device)
         own = lay.owned(f.rank)
-        if self.comms.policy.shard_parameters:
-            f.shard = full[own].clone()
+        if any(zinit.is_loose(p) for p in self.params):
+            self._materialize_loose(own)
+        elif self.comms.policy.shard_parameters:
+            f.shard = lay.flatten([p.detach() for p in self.params], f.dtype, device)[own].clone()
             f.full = None
             self._detach()
         else:
-            f.full = full
-            f.shard = full[own]
+            f.full = lay.flatten([p.detach() for p in self.params], f.dtype, device)
+            f.shard = f.full[own]
             f.attach(self.params)
         if self.trainable:
             if f.dtype == torch.float32:
                 f.master = torch.nn.Parameter(f.shard, requires_grad=True)
             else:
                 f.master = torch.nn.Parameter(f.shard.float(), requires_grad=True)
+
+    def _materialize_loose(self, own: slice) -> None:
+        """Build the unit from parameters partitioned by :class:`zpp.zero.Init`, one
+        parameter at a time (see [Note: partitioned construction])."""
+        f, lay = self.flat, self.layout
+        sharded = self.comms.policy.shard_parameters
+        device = self.params[0].device
+        buf = torch.zeros(lay.shard_numel if sharded else lay.padded_numel, dtype=f.dtype, device=device)
+        base = own.start if sharded else 0
+        for slot, p in zip(lay.slots, self.params, strict=True):
+            if zinit.is_loose(p):
+                values = zinit.full_value(p).reshape(-1)  # collective: every rank, every loose parameter
+                zinit.take(p)
+            else:
+                values = p.detach().reshape(-1)
+            lo = max(slot.offset, base)
+            hi = min(slot.offset + slot.numel, base + buf.numel())
+            if hi > lo:
+                buf[lo - base:hi - base] = values[lo - slot.offset:hi - slot.offset]
+        if sharded:
+            f.shard, f.full = buf, None
+            self._detach()
+        else:
+            f.full = buf
+            f.shard = buf[own]
+            f.attach(self.params)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,7 +207,7 @@ class Unit:
 
     def release(self) -> None:
         """Drop the full buffer (sharded parameters only; otherwise it is the parameters)."""
-        if self.comms.policy.shard_parameters and self.flat.state is ShardState.GATHERED:
+        if self.comms.policy.shard_parameters and self.flat.state is ShardState.GATHERED and not self.pinned:
             self._detach()
 
     def _detach(self) -> None:
