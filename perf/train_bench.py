@@ -97,7 +97,8 @@ def _build(name, model, t, args):
     import zpp.zero as zz
 
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-           "zero_optimization": _zero_section(name, t),
+           "zero_optimization": {**_zero_section(name, t),
+                                 "stage3_param_persistence_threshold": args.persistence_threshold},
            "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel}}
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     return engine, engine.backward, engine.step, engine
@@ -177,6 +178,9 @@ def parser():
     trainlib.add_model_args(p, n_layer=4, n_embd=256, block=128, batch=4, steps=6, warmup=2)
     p.add_argument("--unit-min-numel", type=int, default=100_000,
                    help="zpp stage 3 unit size (Default: one unit per block + root)")
+    p.add_argument("--persistence-threshold", type=int, default=0,
+                   help="zpp's stage3_param_persistence_threshold (Default: 0, every parameter sharded; "
+                        "DeepSpeed's rows keep DeepSpeed's default)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {list(VARIANTS)}")
     return p

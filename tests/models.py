@@ -42,6 +42,10 @@ class FunctionalTiedLM(nn.Module):
     def _run(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if self.ckpt is None or not torch.is_grad_enabled():
             return block(h)
+        if self.ckpt == "deepspeed":  # deepspeed.checkpointing.checkpoint, as Megatron-style models call it
+            import zpp.checkpointing
+
+            return zpp.checkpointing.checkpoint(block, h)
         return checkpoint(block, h, use_reentrant=self.ckpt == "reentrant")
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
@@ -149,6 +153,7 @@ MODELS = {
     "functional_tied": functional_tied,
     "functional_tied_ckpt": lambda s: functional_tied(s, "non_reentrant"),
     "functional_tied_ckpt_reentrant": lambda s: functional_tied(s, "reentrant"),
+    "functional_tied_ckpt_deepspeed": lambda s: functional_tied(s, "deepspeed"),
     "seq2seq": seq2seq,
     "gpt2": gpt2,
     "gpt2_ckpt": lambda s: gpt2(s, "non_reentrant"),

@@ -4,7 +4,8 @@ and at 2 nodes x 2 ranks, on models that read parameters outside their own modul
 Models (tests/models.py): a hand-written LM with functional weight tying, a block applied
 twice, ``nn.TransformerEncoderLayer`` blocks (``nn.MultiheadAttention``), a 1-element and a
 frozen parameter, a buffer and a dict output; the same with activation checkpointing
-(``torch.utils.checkpoint``, non-re-entrant and re-entrant); an ``nn.TransformerEncoder`` /
+(``torch.utils.checkpoint``, non-re-entrant and re-entrant, and ``zpp.checkpointing.checkpoint``
+as ``deepspeed.checkpointing.checkpoint``); an ``nn.TransformerEncoder`` /
 ``nn.TransformerDecoder`` seq2seq with a tuple output; Hugging Face GPT-2 (tied LM head),
 BERT, Llama and T5 (encoder-decoder) from small configs, GPT-2 also with Hugging Face's
 gradient checkpointing in both modes. Every parameter is sharded
@@ -37,7 +38,7 @@ ZERO = {
 
 
 def _reference(name: str) -> str:
-    return name.replace("_ckpt_reentrant", "").replace("_ckpt", "")
+    return name.replace("_ckpt_reentrant", "").replace("_ckpt_deepspeed", "").replace("_ckpt", "")
 
 
 def _ddp(t, name):
@@ -86,7 +87,8 @@ def _train_all(t, names, variants):
     return out
 
 
-HANDWRITTEN = ["functional_tied", "functional_tied_ckpt", "functional_tied_ckpt_reentrant", "seq2seq"]
+HANDWRITTEN = ["functional_tied", "functional_tied_ckpt", "functional_tied_ckpt_reentrant",
+               "functional_tied_ckpt_deepspeed", "seq2seq"]
 HF = ["gpt2", "gpt2_ckpt", "gpt2_ckpt_reentrant", "bert", "llama", "t5"]
 
 
@@ -176,3 +178,41 @@ def test_block_detection_and_unit_classes():
     pytest.importorskip("transformers")
     gpt, *_ = models.gpt2(0)
     assert {c.__name__ for c in block_classes(gpt)} == {"GPT2Block"}
+
+
+def _persistent(t):
+    """stage3_param_persistence_threshold: parameters under it stay whole (bucketed as at stage 2);
+    training still equals DDP; they are never gathered, the others are."""
+    ref = _ddp(t, "gpt2")
+    out = {}
+    for threshold in (0, 1000, 100_000):  # none, biases and norms, everything (DeepSpeed's default)
+        model, batch, loss_of = models.MODELS["gpt2"](0)
+        cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
+        engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
+        t.counters.reset()
+        losses = []
+        for step in range(STEPS):
+            loss = loss_of(engine(**batch(t.rank, step)))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        small = [u for u in engine.units if not u.shards_params]
+        for u in engine.units:  # (a sharded parameter's own numel() is 0: read the layout)
+            sizes = [slot.numel for slot in u.layout.slots]
+            assert (max(sizes) < threshold) if not u.shards_params else (min(sizes) >= threshold), (threshold, u)
+        snap = t.counters.snapshot()
+        out[threshold] = (_rel(losses, ref), len(small), len(engine.units),
+                          snap["all_gather"].logical_bytes if "all_gather" in snap else 0)
+        engine.close()
+    return out
+
+
+def test_param_persistence_threshold():
+    pytest.importorskip("transformers")
+    for r in run_world(_persistent, 2, timeout=200):
+        for threshold, (rel, n_small, n_units, _) in r.items():
+            assert rel <= RTOL, (threshold, rel)
+        assert r[0][1] == 0 and 0 < r[1000][1] < r[1000][2] and r[100_000][1] == r[100_000][2]
+        # one all-gather of the small parameters per step instead of two per use
+        assert r[100_000][3] < r[1000][3] < r[0][3], r

@@ -32,7 +32,7 @@ def _cfg(stage, gas=1, bf16=False):
         "optimizer": {"type": "Adam", "params": {"lr": 5e-3, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupDecayLR",
                       "params": {"warmup_num_steps": 3, "warmup_max_lr": 5e-3, "total_num_steps": 20}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "bf16": {"enabled": bf16},
     }
 

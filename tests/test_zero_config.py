@@ -44,7 +44,6 @@ def test_translation(tmp_path):
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, NotImplementedError,
      ["offload_param.device='nvme'"]),
     ({"zero_optimization": {"overlap_comm": "yes"}}, ValueError, ["overlap_comm='yes'"]),
-    ({"activation_checkpointing": {"partition_activations": True}}, NotImplementedError, ["activation_checkpointing"]),
     ({"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 1}}, NotImplementedError, ["OneBitAdam", "stage 1"]),
     ({"bogus": 1, "also_bogus": 2}, ValueError, ["also_bogus", "bogus"]),
     ({"zero_optimization": {"stage": 3, "nonsense": 1}}, ValueError, ["nonsense"]),
@@ -480,7 +479,6 @@ def test_engine_pending_is_refused_by_as_config():
         "fp16.enabled": {"fp16": {"enabled": True}},
         "zero_optimization.offload_optimizer": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
         "zero_optimization.offload_param": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-        "activation_checkpointing": {"activation_checkpointing": {"profile": True}},
         "zpp.nonfinite": {"zpp": {"nonfinite": "raise"}},
     }
     assert set(asks) == set(ENGINE_PENDING)

@@ -94,7 +94,7 @@ def _config(stage, clip=0.0, gas=1, lr=3e-3, bf16=False):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0},
         "bf16": {"enabled": bf16},
     }
 
@@ -200,7 +200,7 @@ def _memory(t):
     for stage in range(4):
         model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
         psi = sum(p.numel() for p in model.parameters())
-        cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
+        cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
         engine, _, _, _ = zz.initialize(model=model, config=cfg, transport=t)
         x = torch.randn(8, 256)
         for _ in range(3):

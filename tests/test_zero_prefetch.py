@@ -46,7 +46,8 @@ def _cfg(switches, prefetch, bucket=50_000_000, gas=1):
     return {
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": bucket, **switches},
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
+                              **switches},
         "zpp": {"prefetch": prefetch, "unit_min_numel": 0},  # a unit per module: many gathers to prefetch
     }
 

@@ -200,7 +200,7 @@ def _reshard(t):
     for reshard in (True, False):
         torch.manual_seed(1234)
         model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
-        cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 3},
+        cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
                "zpp": {"reshard_after_forward": reshard, "prefetch": False}}
         engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
         t.counters.reset()

@@ -22,8 +22,6 @@ import sys
 __all__ = ["MODULES", "NAMES", "UnsupportedFinder", "explain", "install"]
 
 _DP = "zpp is data-parallel (ZeRO stages 0-3 with ZeRO++ and the 1-bit optimizers)"
-_CKPT = "use torch.utils.checkpoint.checkpoint in the model"
-
 #: DeepSpeed module (relative to the package) -> why zpp lacks it and what it offers instead.
 MODULES: dict[str, str] = {
     "pipe": f"pipeline parallelism is not in zpp; {_DP}; see torch.distributed.pipelining",
@@ -46,8 +44,8 @@ MODULES: dict[str, str] = {
     "moe.sharded_moe": "zpp has no MoE layers or expert parallelism",
     "moe.experts": "zpp has no MoE layers or expert parallelism",
     "compression": "compression training is not in zpp; zpp compresses communication only (zpp.quant, ZeRO++)",
-    "checkpointing": f"DeepSpeed's activation checkpointing is not in zpp; {_CKPT}",
-    "runtime.activation_checkpointing": f"DeepSpeed's activation checkpointing is not in zpp; {_CKPT}",
+    "runtime.activation_checkpointing": "zpp's activation checkpointing is zpp.checkpointing "
+                                        "(deepspeed.checkpointing's names)",
     "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are not in zpp (fp16 is the config's \"fp16\" section); "
                     "its 1-bit optimizers (runtime.fp16.onebit) are zpp.optim.OneBitAdam / ZeroOneAdam / OneBitLamb, "
                     "or optimizer.type in the config",

@@ -117,9 +117,10 @@ class ZeroConfig:
     on the first pass) that may be in flight or waiting at once; 0 turns prefetch off. See
     [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` (Default: 5e7)."""
     param_persistence_threshold: int = 100_000
-    """Stage 3: a parameter with at most this many elements is not partitioned but stays
-    whole on every rank (DeepSpeed's ``stage3_param_persistence_threshold``); 0 partitions
-    every parameter (Default: 1e5, DeepSpeed's)."""
+    """Stage 3: a parameter with fewer elements than this is not partitioned but stays whole
+    on every rank (DeepSpeed's ``stage3_param_persistence_threshold``; see [Note: persistent
+    parameters] in :mod:`zpp.zero.planning`); 0 partitions every parameter (Default: 1e5,
+    DeepSpeed's)."""
     offload_optimizer: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     """Where the optimizer states and the optimizer step live (stages 1-3)
     (Default: device "none")."""
@@ -468,9 +469,6 @@ ENGINE_PENDING: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
     "zero_optimization.offload_optimizer": (
         lambda c: c.zero.offload_optimizer.device != "none", "optimizer state offload"),
     "zero_optimization.offload_param": (lambda c: c.zero.offload_param.device != "none", "parameter offload"),
-    "activation_checkpointing": (
-        lambda c: c.activation_checkpointing.enabled, "DeepSpeed's activation checkpointing; use "
-        "torch.utils.checkpoint.checkpoint in the model"),
     "zpp.nonfinite": (lambda c: c.zpp.nonfinite == "raise", "raising on non-finite gradients"),
 }
 

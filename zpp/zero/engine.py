@@ -33,7 +33,7 @@ from zpp.zero.gather import build_gathers
 from zpp.zero.gradnorm import clip_grads
 from zpp.zero.hooks import EngineHooks
 from zpp.zero.memory import model_state_bytes
-from zpp.zero.optimizer import build_lr_scheduler, build_optimizer
+from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
 from zpp.zero.param_groups import ParamGroups
 from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
@@ -98,14 +98,23 @@ class ZeroEngine(torch.nn.Module):
         self.comms = UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy),
                                reduce=build_reduce(comms, policy))
         groups = groups if groups is not None else ParamGroups.all_parameters()
+        check_optimizer_args(config, optimizer, groups)  # before anything is sharded
         plan = plan_units(module, policy=policy, config=config, groups=groups, make_unit=self._make_unit)
         self.units: tuple[Unit, ...] = plan.units
         self._prefetch = Prefetcher(self.units, bucket_numel=config.zero.prefetch_bucket_size,
                                     enabled=policy.shard_parameters and config.zpp.prefetch, world=world)
         self.hooks = EngineHooks(module, plan, policy=policy, prefetcher=self._prefetch)
         self.hooks.install()
-        self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
-        self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
+        try:
+            self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
+            self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
+        except Exception:
+            self.close()  # the model is whole and free again (every rank fails alike here)
+            raise
+        if config.activation_checkpointing.enabled:  # as DeepSpeed's engine: zpp.checkpointing reads it
+            from zpp import checkpointing
+
+            checkpointing.configure(None, deepspeed_config=config)
         self.training_dataloader = None
         self.global_steps = 0
         self.global_samples = 0
@@ -113,8 +122,10 @@ class ZeroEngine(torch.nn.Module):
         self.last_grad_norm: float | None = None
 
     # ------------------------------------------------------------------ construction
-    def _make_unit(self, index: int, named: list[tuple[str, torch.nn.Parameter]], group: int) -> Unit:
-        return Unit(index, [n for n, _ in named], [p for _, p in named], group=group, comms=self.comms)
+    def _make_unit(self, index: int, named: list[tuple[str, torch.nn.Parameter]], group: int,
+                   persistent: bool) -> Unit:
+        return Unit(index, [n for n, _ in named], [p for _, p in named], group=group, comms=self.comms,
+                    persistent=persistent)
 
     def _topology(self):
         """The world's node structure when a collective needs it (hpZ, qgZ), else None."""

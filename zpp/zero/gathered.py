@@ -79,7 +79,7 @@ class GatheredParameters:
         self._units.sort(key=lambda u: u.index)  # the same order on every rank
         for u in self._units:
             _check_rank(self.modifier_rank, u.comms.world.world_size)
-            if not u.comms.policy.shard_parameters and self.modifier_rank is None:
+            if not u.shards_params and self.modifier_rank is None:
                 self._saved[u.index] = u.flat.full.clone()
             u.gather(Phase.EXACT)
             u.pinned += 1

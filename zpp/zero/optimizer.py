@@ -63,11 +63,8 @@ def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit], worl
     ``given``: a torch optimizer (rebuilt with its ``defaults`` over the masters; its groups
     are ``groups``) or a factory ``param_groups -> optimizer``; only when the config has no
     ``optimizer``."""
+    check_optimizer_args(config, given, groups)
     cfg = config.optimizer
-    if cfg is not None and given is not None:
-        raise ValueError("zpp.initialize: an optimizer is given both in the config and as optimizer=")
-    if cfg is not None:
-        _check_group_options(cfg, groups)
     if cfg is not None and cfg.onebit:
         views = _onebit_views(units)
         by_group = [{"params": [v.param for v in views if v.unit.group == g], **groups.options[g]}
@@ -77,8 +74,6 @@ def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit], worl
                     for g in range(len(groups))]
     if cfg is not None:
         return OPTIMIZERS[cfg.type](param_groups, **cfg.params), None
-    if given is None:
-        raise ValueError("zpp.initialize: no optimizer: pass optimizer= or set config['optimizer']")
     if isinstance(given, FusedOneBitOptimizer):
         built = given
     elif isinstance(given, torch.optim.Optimizer):
@@ -94,6 +89,21 @@ def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit], worl
             "engine's flat buckets next to the engine's own gradient all-reduce; set it in the config "
             "instead: {'optimizer': {'type': ..., 'params': {...}}}")
     return built, None
+
+
+def check_optimizer_args(config: TrainConfig, given: Any, groups: ParamGroups) -> None:
+    """The errors :func:`build_optimizer` would raise about its arguments, raised before the
+    engine shards anything."""
+    cfg = config.optimizer
+    if cfg is not None and given is not None:
+        raise ValueError("zpp.initialize: an optimizer is given both in the config and as optimizer=")
+    if cfg is None and given is None:
+        raise ValueError("zpp.initialize: no optimizer: pass optimizer= or set config['optimizer']")
+    if cfg is not None:
+        _check_group_options(cfg, groups)
+    elif not isinstance(given, torch.optim.Optimizer) and not callable(given):
+        raise TypeError(f"zpp.initialize: optimizer={given!r} must be a torch optimizer or a factory "
+                        "taking a list of parameters")
 
 
 def _check_group_options(cfg: OptimizerConfig, groups: ParamGroups) -> None:

@@ -78,11 +78,17 @@ class Unit:
         group: the optimizer group of the parameters (:mod:`zpp.zero.param_groups`), or
             ``FROZEN``: frozen units have no master, no gradients, no optimizer state.
         comms: the engine's :class:`UnitComms`.
+        persistent: with sharded parameters, keep this unit's parameters whole on every
+            rank anyway (small parameters; DeepSpeed's persistence threshold).
     """
 
     def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.nn.Parameter],
-                 *, group: int, comms: UnitComms) -> None:
+                 *, group: int, comms: UnitComms, persistent: bool = False) -> None:
         self.index = index
+        #: the parameters are sharded between uses (stage 3, unless the unit is persistent:
+        #: ``stage3_param_persistence_threshold``, see [Note: persistent parameters] in
+        #: :mod:`zpp.zero.planning`)
+        self.shards_params = comms.policy.shard_parameters and not persistent
         self.names = tuple(names)
         self.params = tuple(params)
         self.group = group
@@ -112,7 +118,7 @@ class Unit:
         own = lay.owned(f.rank)
         if any(zinit.is_loose(p) for p in self.params):
             self._materialize_loose(own)
-        elif self.comms.policy.shard_parameters:
+        elif self.shards_params:
             f.shard = lay.flatten([p.detach() for p in self.params], f.dtype, device)[own].clone()
             f.full = None
             self._detach()
@@ -130,7 +136,7 @@ class Unit:
         """Build the unit from parameters partitioned by :class:`zpp.zero.Init`, one
         parameter at a time (see [Note: partitioned construction])."""
         f, lay = self.flat, self.layout
-        sharded = self.comms.policy.shard_parameters
+        sharded = self.shards_params
         device = self.params[0].device
         buf = torch.zeros(lay.shard_numel if sharded else lay.padded_numel, dtype=f.dtype, device=device)
         base = own.start if sharded else 0
@@ -207,7 +213,7 @@ class Unit:
 
     def release(self) -> None:
         """Drop the full buffer (sharded parameters only; otherwise it is the parameters)."""
-        if self.comms.policy.shard_parameters and self.flat.state is ShardState.GATHERED and not self.pinned:
+        if self.shards_params and self.flat.state is ShardState.GATHERED and not self.pinned:
             self._detach()
 
     def _detach(self) -> None:
@@ -252,15 +258,15 @@ class Unit:
     # ------------------------------------------------------------------ after the step
     def publish(self) -> None:
         """Make the updated master weights the parameters: cast into the shard, all-gather
-        into the full buffer (:attr:`ShardingPolicy.gather_after_step`), invalidate hpZ's
-        secondary shard."""
+        into the full buffer (sharded optimizer state and persistent parameters: stages 1-2,
+        and persistent units at stage 3), invalidate hpZ's secondary shard."""
         f, comms = self.flat, self.comms
         f.master.grad = None
         f.grad = None
         self.release()  # a full buffer gathered before the step would hold the old weights
         if not f.master_aliases_shard:
             f.shard.copy_(f.master.detach())
-        if comms.policy.gather_after_step and comms.world.world_size > 1:
+        if comms.policy.shard_optimizer_state and not self.shards_params and comms.world.world_size > 1:
             comms.world.all_gather(f.full, f.shard.clone())
         f.invalidate_secondary()
 
@@ -273,7 +279,7 @@ class Unit:
         own = padded[lay.owned(f.rank)]
         if f.master is not None:
             f.master.data.copy_(own if master is None else master)
-        if f.full is not None and not self.comms.policy.shard_parameters:
+        if f.full is not None and not self.shards_params:
             f.full.copy_(padded)
         elif not f.master_aliases_shard:
             f.shard.copy_(own)
