@@ -9,7 +9,7 @@ import zpp.zero as zz
 from tests.dist import run_world
 from tests.gpt import GPT, GPTConfig
 from tests.test_zero_engine import OddNet
-from zpp.zero.checkpoint import _collect
+from zpp.zero.checkpoint.load import read_parameters
 
 
 def _model(kind, seed):
@@ -101,11 +101,9 @@ def test_save_load_continue_and_reshard(tmp_path):
     assert not list(Path(root).rglob(".*.tmp*"))  # every write was atomic and finished
     assert run_world(_reshard, 2, args=(root,), timeout=300) == [True, True]
     # the 2-rank re-save holds exactly what the 4-rank checkpoint held, by parameter
-    src = Path(root, "gpt-s3-gas1-fp32", "global_step3")
-    a = _collect(src, json.loads((src / "meta.json").read_text()))
+    a = read_parameters(Path(root, "gpt-s3-gas1-fp32", "global_step3"))
     for stage in (3, 1):
-        dst = Path(root, f"resharded-s{stage}", "global_step3")
-        b = _collect(dst, json.loads((dst / "meta.json").read_text()))
+        b = read_parameters(Path(root, f"resharded-s{stage}", "global_step3"))
         assert sorted(a) == sorted(b)
         for n in a:
             assert sorted(a[n]) == sorted(b[n]) == ["exp_avg", "exp_avg_sq", "step", "values"], (n, sorted(b[n]))
