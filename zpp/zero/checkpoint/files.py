@@ -32,15 +32,22 @@ Record = dict[str, int]  # {"bytes": size, "crc32": crc}
 
 class ChecksumWriter:
     """A write-only file object that passes every write to ``f`` and keeps the size and the
-    CRC32 of what it passed (``torch.save`` writes through it)."""
+    CRC32 of what it passed (``torch.save`` writes through it). The first error of ``f``
+    is kept in ``error``: torch's writer replaces it by one of its own that does not say
+    what happened (e.g. "unexpected pos 64 vs 0" for a full disk)."""
 
     def __init__(self, f) -> None:
         self._f = f
         self.size = 0
         self.crc = 0
+        self.error: BaseException | None = None
 
     def write(self, data) -> int:
-        n = self._f.write(data)
+        try:
+            n = self._f.write(data)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
         self.crc = zlib.crc32(data, self.crc)
         self.size += memoryview(data).nbytes
         return n
@@ -56,7 +63,12 @@ def write_torch(obj: Any, path: Path) -> Record:
     """``torch.save(obj)`` into a new file ``path``, fsync-ed; its record."""
     with open(path, "xb") as f:
         w = ChecksumWriter(f)
-        torch.save(obj, w)
+        try:
+            torch.save(obj, w)
+        except Exception as e:
+            if w.error is not None:
+                raise w.error from e
+            raise
         f.flush()
         os.fsync(f.fileno())
     return w.record()

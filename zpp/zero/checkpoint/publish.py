@@ -36,7 +36,8 @@ STAGING = ".zpp-staging-"
 OLD = ".zpp-old-"
 LATEST = "latest"
 SAVE_ID_CHARS = 16  # hex digits of a save id
-_TMP = re.compile(r"^\.(shard_rank\d{5}\.pt|onebit_optim_rank\d{5}\.pt|meta\.pt|meta\.json|latest)\.tmp\d+$")
+_TMP_IN_ROOT = re.compile(r"^\.latest\.tmp\d+$")
+_TMP_IN_TAG = re.compile(r"^\.(shard_rank\d{5}\.pt|onebit_optim_rank\d{5}\.pt|meta\.pt|meta\.json)\.tmp\d+$")
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -120,10 +121,10 @@ def remove_stale(root: Path) -> list[str]:
                 done.append(name)
             elif not name.startswith("."):
                 for sub in os.scandir(entry.path):
-                    if _TMP.match(sub.name) and sub.is_file(follow_symlinks=False):
+                    if _TMP_IN_TAG.match(sub.name) and sub.is_file(follow_symlinks=False):
                         os.unlink(sub.path)
                         done.append(f"{name}/{sub.name}")
-        elif _TMP.match(name) and entry.is_file(follow_symlinks=False):
+        elif _TMP_IN_ROOT.match(name) and entry.is_file(follow_symlinks=False):
             os.unlink(entry.path)
             done.append(name)
     return done
