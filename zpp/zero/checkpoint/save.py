@@ -133,8 +133,10 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None, client
     else:
         own = None
     results = exchange(world, mine, during=f"{where}: starting")
-    raise_agreed(results, own=own)
     tags = [r["tag"] for r in results]
+    if staging is not None and (len(set(tags)) > 1 or not all(r["ok"] for r in results)):
+        shutil.rmtree(staging, ignore_errors=True)
+    raise_agreed(results, own=own)
     if len(set(tags)) > 1:
         raise ValueError(f"save_checkpoint: the ranks name different tags: {tags} (one per rank)")
     save_id = results[0]["save_id"]
