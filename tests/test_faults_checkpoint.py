@@ -31,7 +31,7 @@ from torch import nn
 
 import zpp.zero as zz
 from tests.dist import run_world
-from zpp.zero.checkpoint import CheckpointError, files, save
+from zpp.zero.checkpoint import files, save
 
 W = 3
 STEPS = 8  # the reference run

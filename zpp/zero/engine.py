@@ -225,7 +225,8 @@ class ZeroEngine:
         """Bytes of model states this rank holds now; see :func:`zpp.zero.memory.model_state_bytes`."""
         return model_state_bytes(self.units, self.optimizer)
 
-    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None, client_state: dict = {},  # noqa: B006 - DeepSpeed's signature
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
+                        client_state: dict = {},  # noqa: B006 - DeepSpeed's signature; never mutated
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective: write a verified, atomically published sharded checkpoint; DeepSpeed's
         signature, returns True. See :func:`zpp.zero.checkpoint.save_checkpoint`."""

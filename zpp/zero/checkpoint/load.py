@@ -184,10 +184,12 @@ def _read_manifest(path: Path, tag: str) -> dict[str, Any]:
     try:
         meta = json.loads(read_verified(f, None, tag))
     except ValueError as e:
-        raise CheckpointError(f"load_checkpoint: {describe(f, tag)} is not valid JSON (truncated or corrupt): {e}") from e
+        raise CheckpointError(
+            f"load_checkpoint: {describe(f, tag)} is not valid JSON (truncated or corrupt): {e}") from e
     fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt not in (1, FORMAT):
-        raise CheckpointError(f"load_checkpoint: {describe(f, tag)} has format={fmt!r}; this zpp reads 1 and {FORMAT}")
+        raise CheckpointError(
+            f"load_checkpoint: {describe(f, tag)} has format={fmt!r}; this zpp reads 1 and {FORMAT}")
     if fmt == 1:
         warnings.warn(f"load_checkpoint: {path} is a format-1 checkpoint (no checksums): its files are not "
                       "verified", stacklevel=4)

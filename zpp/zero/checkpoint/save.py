@@ -85,7 +85,8 @@ def check_tag(tag: str) -> None:
         raise ValueError(f"save_checkpoint: tag={tag!r} must be a plain directory name (no '/', not starting with '.')")
 
 
-def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None, client_state: dict = {},  # noqa: B006 - DeepSpeed's signature; never mutated
+def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None,
+                    client_state: dict = {},  # noqa: B006 - DeepSpeed's signature; never mutated
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """Collective: write a sharded checkpoint of ``engine`` as ``save_dir/tag`` (see
     [Note: save protocol]); DeepSpeed's signature and return value (True).
