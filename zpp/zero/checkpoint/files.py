@@ -18,6 +18,7 @@ the process (on filesystems that honour fsync; the cost is measured in perf/BENC
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import zlib
 from pathlib import Path
@@ -103,10 +104,7 @@ def check_present(path: Path, record: Record, tag: str) -> None:
         size = path.stat().st_size
     except FileNotFoundError:
         raise CheckpointError(f"load_checkpoint: {describe(path, tag)} is missing") from None
-    if size != record["bytes"]:
-        raise CheckpointError(
-            f"load_checkpoint: {describe(path, tag)} has {size} bytes, meta.json records {record['bytes']}: "
-            f"the file is {'truncated' if size < record['bytes'] else 'damaged'}")
+    _check(path, size, lambda: record["crc32"], record, tag)
 
 
 def read_verified(path: Path, record: Record | None, tag: str) -> bytes:
@@ -116,25 +114,64 @@ def read_verified(path: Path, record: Record | None, tag: str) -> bytes:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"load_checkpoint: {describe(path, tag)} is missing") from None
-    if record is None:
-        return data
-    if len(data) != record["bytes"]:
-        raise CheckpointError(
-            f"load_checkpoint: {describe(path, tag)} has {len(data)} bytes, meta.json records "
-            f"{record['bytes']}: the file is {'truncated' if len(data) < record['bytes'] else 'damaged'}")
-    crc = zlib.crc32(data)
-    if crc != record["crc32"]:
-        raise CheckpointError(
-            f"load_checkpoint: {describe(path, tag)} is corrupt: its CRC32 is {crc:#010x}, meta.json "
-            f"records {record['crc32']:#010x} (damaged on disk, or a file of another save)")
+    if record is not None:
+        _check(path, len(data), lambda: zlib.crc32(data), record, tag)
     return data
 
 
-def load_torch(path: Path, record: Record | None, tag: str) -> Any:
-    """Read, check and unpickle a file written by :func:`write_torch`."""
-    data = read_verified(path, record, tag)
+def _check(path: Path, size: int, crc, record: Record, tag: str) -> None:
+    """Raise CheckpointError unless ``size`` and ``crc()`` match ``record``."""
+    if size != record["bytes"]:
+        raise CheckpointError(
+            f"load_checkpoint: {describe(path, tag)} has {size} bytes, meta.json records {record['bytes']}: "
+            f"the file is {'truncated' if size < record['bytes'] else 'damaged'}")
+    got = crc()
+    if got != record["crc32"]:
+        raise CheckpointError(
+            f"load_checkpoint: {describe(path, tag)} is corrupt: its CRC32 is {got:#010x}, meta.json "
+            f"records {record['crc32']:#010x} (damaged on disk, or a file of another save)")
+
+
+def load_torch(path: Path, record: Record | None, tag: str, *, mapped: bool = False) -> Any:
+    """Read, check and unpickle a file written by :func:`write_torch`. ``mapped``: the file is
+    checked through a read-only memory map and its tensors are unpickled onto that map
+    (``torch.load(mmap=True)``), so its bytes are read from disk once and never copied into
+    an intermediate buffer; for files whose tensors the caller copies (the shards, the 1-bit
+    state), not for objects handed to the user."""
+    if not mapped:
+        data = read_verified(path, record, tag)
+        source: Any = io.BytesIO(data)
+    else:
+        fd = _open(path, tag)
+        try:
+            st = os.fstat(fd)
+            if record is not None:
+                _check(path, st.st_size, lambda: _crc_mapped(fd, st.st_size), record, tag)
+        finally:
+            os.close(fd)
+        source = path
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        obj = torch.load(source, map_location="cpu", weights_only=False, mmap=mapped)
     except Exception as e:  # noqa: BLE001 - whatever torch raises, the file is unreadable
         raise CheckpointError(
             f"load_checkpoint: {describe(path, tag)} cannot be unpickled ({type(e).__name__}: {e})") from e
+    if mapped:
+        now = os.stat(path)
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            raise CheckpointError(f"load_checkpoint: {describe(path, tag)} was replaced while it was read "
+                                  "(a save into the same directory?)")
+    return obj
+
+
+def _open(path: Path, tag: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointError(f"load_checkpoint: {describe(path, tag)} is missing") from None
+
+
+def _crc_mapped(fd: int, size: int) -> int:
+    if size == 0:
+        return zlib.crc32(b"")
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
+        return zlib.crc32(m)

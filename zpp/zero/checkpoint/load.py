@@ -214,7 +214,7 @@ def _collect(path: Path, meta: dict, tag: str, record) -> dict[str, dict[str, An
     pieces: dict[tuple, dict[int, dict]] = {k: {} for k in declared}
     for r in ranks:
         f = path / shard_name(r)
-        shard = load_torch(f, record(f.name), tag)
+        shard = load_torch(f, record(f.name), tag, mapped=True)
         _check_save_id(shard, meta, f, tag)
 
         def bad(what: str, f=f) -> CheckpointError:
@@ -286,7 +286,7 @@ def _read_onebit(engine, path: Path, meta: dict, tag: str, record) -> dict:
         raise FileNotFoundError(
             f"load_checkpoint: {f} missing: the checkpoint holds no {who} state (saved with another optimizer?); "
             "pass load_optimizer_states=False to load the weights and start the optimizer afresh")
-    state = load_torch(f, record(f.name), tag)
+    state = load_torch(f, record(f.name), tag, mapped=True)
     _check_save_id(state, meta, f, tag)
     sd = state["optimizer"]
     groups = [len(g["params"]) for g in sd.get("param_groups", ())]

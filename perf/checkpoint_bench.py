@@ -1,0 +1,173 @@
+"""What a verified checkpoint costs: save and load time of the benchmark GPT with and without
+the CRC32 checksums and the fsyncs (zpp/zero/checkpoint/files.py).
+
+    python perf/checkpoint_bench.py --world 1 --json perf/results/checkpoint_bench_w1.json
+    python perf/checkpoint_bench.py --world 4 --json perf/results/checkpoint_bench_w4.json
+
+A GPT (tests/gpt.py; Default 8 layers x 512, 25.35M fp32 parameters), ZeRO stage 3 and Adam
+after one training step, so the checkpoint holds the weights and both Adam moments (about
+304 MB over all shards). Each variant saves the same tag ``--repeats`` times (the first save
+publishes a new tag, the others re-save it: the atomic exchange) and loads it back into the
+same engine (every rank reads and checks every shard, see [Note: resharding]); the time of a
+save or load is the slowest rank's, the row the median over repeats. Variants switch the
+checksums or the fsyncs off in this process only (a stand-in CRC that returns 0; an fsync that
+does nothing), so the difference is their cost:
+
+* ``crc+fsync``: what zpp does; ``nocrc+fsync``; ``crc+nofsync``; ``nocrc+nofsync``.
+* ``torch.save``: the baseline: each rank ``torch.save``-s the object its shard file holds to a
+  file and ``torch.load``-s the shard files a load reads, nothing else.
+
+The files go to ``--dir`` (Default: a temporary directory under /tmp), removed at the end;
+reads come from the page cache (the files were just written).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import trainlib  # noqa: E402
+
+VARIANTS = ("crc+fsync", "nocrc+fsync", "crc+nofsync", "nocrc+nofsync", "torch.save")
+
+
+def _switch(variant: str):
+    """Patch zpp.zero.checkpoint.files for ``variant``; returns the undo."""
+    from zpp.zero.checkpoint import files
+
+    real_zlib, real_os = files.zlib, files.os
+    if variant.startswith("nocrc"):
+        files.zlib = types.SimpleNamespace(crc32=lambda data, value=0: 0)
+    if variant.endswith("nofsync"):
+        files.os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")},
+                                         fsync=lambda fd: None)
+
+    def undo():
+        files.zlib, files.os = real_zlib, real_os
+    return undo
+
+
+def _slowest(t, seconds: float) -> float:
+    x = torch.tensor([seconds], dtype=torch.float64)
+    t.all_reduce(x, op="max")
+    return float(x)
+
+
+def _baseline(t, engine, root: str) -> tuple[float, float]:
+    """torch.save of this rank's shard object, torch.load of every shard file."""
+    from zpp.zero.checkpoint.save import _unit_entries, shard_name
+
+    obj = {"units": _unit_entries(engine, False)}
+    t.barrier()
+    t0 = time.perf_counter()
+    torch.save(obj, os.path.join(root, shard_name(t.rank)))
+    save_s = _slowest(t, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for r in range(t.world_size):
+        torch.load(os.path.join(root, shard_name(r)), map_location="cpu", weights_only=False)
+    load_s = _slowest(t, time.perf_counter() - t0)
+    return save_s, load_s
+
+
+def main(t, args):
+    import zpp
+
+    model = trainlib.make_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3}}
+    engine, *_ = zpp.initialize(model=model, config=cfg, transport=t)
+    g = torch.Generator().manual_seed(t.rank)
+    x = torch.randint(0, 128, (args.batch, args.block), generator=g)
+    engine.backward(engine(x, x))
+    engine.step()
+    base = args.dir
+    if t.rank == 0:
+        os.makedirs(base, exist_ok=True)
+    t.barrier()
+    rows = []
+    for variant in args.variants:
+        root = os.path.join(base, variant)
+        if t.rank == 0:
+            os.makedirs(root, exist_ok=True)
+        t.barrier()
+        saves, loads = [], []
+        for _ in range(args.repeats):
+            if variant == "torch.save":
+                s, lo = _baseline(t, engine, root)
+            else:
+                undo = _switch(variant)
+                try:
+                    t.barrier()
+                    t0 = time.perf_counter()
+                    engine.save_checkpoint(root, tag="bench")
+                    s = _slowest(t, time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    engine.load_checkpoint(root, tag="bench")
+                    lo = _slowest(t, time.perf_counter() - t0)
+                finally:
+                    undo()
+            saves.append(s)
+            loads.append(lo)
+        nbytes = sum(e.stat().st_size for e in os.scandir(os.path.join(root, "bench"))) if variant != "torch.save" \
+            else sum(e.stat().st_size for e in os.scandir(root))
+        rows.append({"variant": variant, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
+                     "save_runs_s": saves, "load_runs_s": loads, "checkpoint_bytes": nbytes})
+        t.barrier()
+        if t.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    if t.rank:
+        return
+    shutil.rmtree(base, ignore_errors=True)
+    full = {r["variant"]: r for r in rows}
+    print(f"# checkpoint_bench world={t.world_size} GPT {args.n_layer}x{args.n_embd} params={params} "
+          f"stage 3 + Adam, median of {args.repeats}")
+    print(f"{'variant':>14} {'save_s':>8} {'load_s':>8} {'MB':>8}")
+    for r in rows:
+        print(f"{r['variant']:>14} {r['save_s']:8.3f} {r['load_s']:8.3f} {r['checkpoint_bytes'] / 1e6:8.1f}")
+    ratios = {}
+    if "crc+fsync" in full and "nocrc+fsync" in full:
+        ratios["crc_save"] = full["crc+fsync"]["save_s"] / full["nocrc+fsync"]["save_s"]
+        ratios["crc_load"] = full["crc+fsync"]["load_s"] / full["nocrc+fsync"]["load_s"]
+    if "crc+fsync" in full and "crc+nofsync" in full:
+        ratios["fsync_save"] = full["crc+fsync"]["save_s"] / full["crc+nofsync"]["save_s"]
+    if "crc+fsync" in full and "torch.save" in full:
+        ratios["zpp_vs_torch_save"] = full["crc+fsync"]["save_s"] / full["torch.save"]["save_s"]
+        ratios["zpp_vs_torch_load"] = full["crc+fsync"]["load_s"] / full["torch.save"]["load_s"]
+    print("ratios: " + ", ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    if args.json:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=trainlib.ROOT).stdout.strip()
+        out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "host": socket.gethostname(), "command": " ".join(["python"] + sys.argv), "git_revision": rev,
+               "world": t.world_size, "params": params,
+               "model": {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block")},
+               "repeats": args.repeats, "rows": rows, "ratios": ratios}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    trainlib.add_model_args(p, n_layer=8, n_embd=512, block=128, batch=1, steps=1, warmup=0)
+    p.set_defaults(n_head=8, ranks_per_node=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--dir", default=None, help="where the checkpoints go (Default: a new directory under /tmp)")
+    a = p.parse_args()
+    trainlib.parse_variants(p, a, VARIANTS)
+    a.dir = a.dir or tempfile.mkdtemp(prefix="zpp-ckpt-bench-")
+    a.ranks_per_node = a.ranks_per_node or a.world  # one node
+    trainlib.launch(main, a)
