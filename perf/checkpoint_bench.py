@@ -52,8 +52,8 @@ def _switch(variant: str):
     if variant.startswith("nocrc"):
         files.zlib = types.SimpleNamespace(crc32=lambda data, value=0: 0)
     if variant.endswith("nofsync"):
-        files.os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")},
-                                         fsync=lambda fd: None)
+        names = {k: getattr(os, k) for k in dir(os) if not k.startswith("__")}
+        files.os = types.SimpleNamespace(**{**names, "fsync": lambda fd: None})
 
     def undo():
         files.zlib, files.os = real_zlib, real_os
