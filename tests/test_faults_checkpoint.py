@@ -5,9 +5,10 @@
   the survivors raise within seconds, the tag on disk is whole (old or new version, never
   mixed), ``latest`` names a complete tag, and a fresh world loads it and trains on with
   the losses of a run that never stopped; its next save removes the crashed save's leftovers;
-* a failed write on one rank (ENOSPC after 1000 bytes): every rank raises at once naming
-  rank 1, the file and the error; nothing is published; the world trains and saves on;
-  stale files of crashed saves (zpp's names only) are removed by that save;
+* a failed write on one rank (ENOSPC after 1000 bytes), over gloo and over MPI: every rank
+  raises at once naming rank 1, the file and the error; nothing is published; the world
+  trains and saves on; stale files of crashed saves (zpp's names only) are removed by that
+  save;
 * a damaged latest tag (bytes flipped, truncated, missing shard, a shard of another save,
   an edited or re-sealed meta.json): every rank raises CheckpointError naming the file and
   the tag, the engine is untouched, and the previous tag loads and continues exactly.
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 import zpp.zero as zz
-from tests.dist import run_world
+from tests.dist import BACKENDS, run_world
 from zpp.zero.checkpoint import files, save
 
 W = 3
@@ -262,8 +263,10 @@ def _text(p: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_failed_write_raises_everywhere_and_stale_files_go(tmp_path):
-    results = run_world(_disk_full, W, args=(str(tmp_path),), timeout=WORLD_S, transport_kwargs=TRANSPORT)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_write_raises_everywhere_and_stale_files_go(tmp_path, backend):
+    results = run_world(_disk_full, W, backend=backend, args=(str(tmp_path),), timeout=WORLD_S,
+                        transport_kwargs=TRANSPORT)
     for r, res in enumerate(results):
         kind, secs, msg = res["failed"]
         print(f"ENOSPC on rank 1: rank {r} {kind} after {secs:.2f} s: {msg}")
