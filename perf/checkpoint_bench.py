@@ -9,7 +9,10 @@ after one training step, so the checkpoint holds the weights and both Adam momen
 304 MB over all shards). Each variant saves the same tag ``--repeats`` times (the first save
 publishes a new tag, the others re-save it: the atomic exchange) and loads it back into the
 same engine (every rank reads and checks every shard, see [Note: resharding]); the time of a
-save or load is the slowest rank's, the row the median over repeats. Variants switch the
+save or load is the slowest rank's wall time; a row gives the minimum over the repeats (the
+least disturbed by other load on the machine) and the median, and the minimum CPU time of
+the process (``time.process_time``: what the checksums cost shows there even when other jobs
+slow the wall clock); the variants are interleaved. Variants switch the
 checksums or the fsyncs off in this process only (a stand-in CRC that returns 0; an fsync that
 does nothing), so the difference is their cost:
 
@@ -66,20 +69,23 @@ def _slowest(t, seconds: float) -> float:
     return float(x)
 
 
-def _baseline(t, engine, root: str) -> tuple[float, float]:
+def _timed(t, call) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of ``call()``, each the slowest rank's."""
+    t.barrier()
+    w0, c0 = time.perf_counter(), time.process_time()
+    call()
+    return _slowest(t, time.perf_counter() - w0), _slowest(t, time.process_time() - c0)
+
+
+def _baseline(t, engine, root: str) -> tuple[tuple[float, float], tuple[float, float]]:
     """torch.save of this rank's shard object, torch.load of every shard file."""
     from zpp.zero.checkpoint.save import _unit_entries, shard_name
 
     obj = {"units": _unit_entries(engine, False)}
-    t.barrier()
-    t0 = time.perf_counter()
-    torch.save(obj, os.path.join(root, shard_name(t.rank)))
-    save_s = _slowest(t, time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for r in range(t.world_size):
-        torch.load(os.path.join(root, shard_name(r)), map_location="cpu", weights_only=False)
-    load_s = _slowest(t, time.perf_counter() - t0)
-    return save_s, load_s
+    save = _timed(t, lambda: torch.save(obj, os.path.join(root, shard_name(t.rank))))
+    load = _timed(t, lambda: [torch.load(os.path.join(root, shard_name(r)), map_location="cpu", weights_only=False)
+                              for r in range(t.world_size)])
+    return save, load
 
 
 def main(t, args):
@@ -97,50 +103,52 @@ def main(t, args):
     if t.rank == 0:
         os.makedirs(base, exist_ok=True)
     t.barrier()
-    rows = []
-    for variant in args.variants:
-        root = os.path.join(base, variant)
-        if t.rank == 0:
-            os.makedirs(root, exist_ok=True)
-        t.barrier()
-        saves, loads = [], []
-        for _ in range(args.repeats):
+    runs = {v: ([], []) for v in args.variants}
+    for _ in range(args.repeats):  # variants interleaved, so load on the machine hits all alike
+        for variant in args.variants:
+            root = os.path.join(base, variant)
+            if t.rank == 0:
+                os.makedirs(root, exist_ok=True)
+            t.barrier()
             if variant == "torch.save":
                 s, lo = _baseline(t, engine, root)
             else:
                 undo = _switch(variant)
                 try:
-                    t.barrier()
-                    t0 = time.perf_counter()
-                    engine.save_checkpoint(root, tag="bench")
-                    s = _slowest(t, time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    engine.load_checkpoint(root, tag="bench")
-                    lo = _slowest(t, time.perf_counter() - t0)
+                    s = _timed(t, lambda: engine.save_checkpoint(root, tag="bench"))  # noqa: B023
+                    lo = _timed(t, lambda: engine.load_checkpoint(root, tag="bench"))  # noqa: B023
                 finally:
                     undo()
-            saves.append(s)
-            loads.append(lo)
-        nbytes = sum(e.stat().st_size for e in os.scandir(os.path.join(root, "bench"))) if variant != "torch.save" \
-            else sum(e.stat().st_size for e in os.scandir(root))
-        rows.append({"variant": variant, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
-                     "save_runs_s": saves, "load_runs_s": loads, "checkpoint_bytes": nbytes})
-        t.barrier()
-        if t.rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
+            runs[variant][0].append(s)
+            runs[variant][1].append(lo)
+    rows = []
+    for variant, (saves, loads) in runs.items():
+        root = os.path.join(base, variant)
+        files = os.path.join(root, "bench") if variant != "torch.save" else root
+        rows.append({"variant": variant, "save_s": min(w for w, _ in saves), "load_s": min(w for w, _ in loads),
+                     "save_median_s": statistics.median(w for w, _ in saves),
+                     "load_median_s": statistics.median(w for w, _ in loads),
+                     "save_cpu_s": min(c for _, c in saves), "load_cpu_s": min(c for _, c in loads),
+                     "save_runs_s": saves, "load_runs_s": loads,
+                     "checkpoint_bytes": sum(e.stat().st_size for e in os.scandir(files))})
+    t.barrier()
     if t.rank:
         return
     shutil.rmtree(base, ignore_errors=True)
     full = {r["variant"]: r for r in rows}
     print(f"# checkpoint_bench world={t.world_size} GPT {args.n_layer}x{args.n_embd} params={params} "
-          f"stage 3 + Adam, median of {args.repeats}")
-    print(f"{'variant':>14} {'save_s':>8} {'load_s':>8} {'MB':>8}")
+          f"stage 3 + Adam, min (median) of {args.repeats}")
+    print(f"{'variant':>14} {'save_s':>16} {'save_cpu_s':>10} {'load_s':>16} {'load_cpu_s':>10} {'MB':>8}")
     for r in rows:
-        print(f"{r['variant']:>14} {r['save_s']:8.3f} {r['load_s']:8.3f} {r['checkpoint_bytes'] / 1e6:8.1f}")
+        print(f"{r['variant']:>14} {r['save_s']:7.3f} ({r['save_median_s']:6.3f}) {r['save_cpu_s']:10.3f} "
+              f"{r['load_s']:7.3f} ({r['load_median_s']:6.3f}) {r['load_cpu_s']:10.3f} "
+              f"{r['checkpoint_bytes'] / 1e6:8.1f}")
     ratios = {}
     if "crc+fsync" in full and "nocrc+fsync" in full:
         ratios["crc_save"] = full["crc+fsync"]["save_s"] / full["nocrc+fsync"]["save_s"]
         ratios["crc_load"] = full["crc+fsync"]["load_s"] / full["nocrc+fsync"]["load_s"]
+        ratios["crc_save_cpu"] = full["crc+fsync"]["save_cpu_s"] / full["nocrc+fsync"]["save_cpu_s"]
+        ratios["crc_load_cpu"] = full["crc+fsync"]["load_cpu_s"] / full["nocrc+fsync"]["load_cpu_s"]
     if "crc+fsync" in full and "crc+nofsync" in full:
         ratios["fsync_save"] = full["crc+fsync"]["save_s"] / full["crc+nofsync"]["save_s"]
     if "crc+fsync" in full and "torch.save" in full:
