@@ -12,9 +12,9 @@ same engine (every rank reads and checks every shard, see [Note: resharding]); t
 save or load is the slowest rank's wall time; a row gives the minimum over the repeats (the
 least disturbed by other load on the machine) and the median, and the minimum CPU time of
 the process (``time.process_time``: what the checksums cost shows there even when other jobs
-slow the wall clock); the variants are interleaved. Variants switch the
-checksums or the fsyncs off in this process only (a stand-in CRC that returns 0; an fsync that
-does nothing), so the difference is their cost:
+slow the wall clock); the variants are interleaved. Variants switch the checksums off in
+this process only (a stand-in CRC32 that returns 0) or the fsyncs (``ZPP_CHECKPOINT_FSYNC=0``),
+so the difference is their cost:
 
 * ``crc+fsync``: what zpp does; ``nocrc+fsync``; ``crc+nofsync``; ``nocrc+nofsync``.
 * ``torch.save``: the baseline: each rank ``torch.save``-s the object its shard file holds to a
@@ -48,18 +48,19 @@ VARIANTS = ("crc+fsync", "nocrc+fsync", "crc+nofsync", "nocrc+nofsync", "torch.s
 
 
 def _switch(variant: str):
-    """Patch zpp.zero.checkpoint.files for ``variant``; returns the undo."""
+    """Switch the checksums (patched in zpp.zero.checkpoint.files) or the fsyncs
+    (``ZPP_CHECKPOINT_FSYNC=0``) off for ``variant``; returns the undo."""
     from zpp.zero.checkpoint import files
 
-    real_zlib, real_os = files.zlib, files.os
+    real_zlib = files.zlib
     if variant.startswith("nocrc"):
         files.zlib = types.SimpleNamespace(crc32=lambda data, value=0: 0)
     if variant.endswith("nofsync"):
-        names = {k: getattr(os, k) for k in dir(os) if not k.startswith("__")}
-        files.os = types.SimpleNamespace(**{**names, "fsync": lambda fd: None})
+        os.environ["ZPP_CHECKPOINT_FSYNC"] = "0"
 
     def undo():
-        files.zlib, files.os = real_zlib, real_os
+        files.zlib = real_zlib
+        os.environ.pop("ZPP_CHECKPOINT_FSYNC", None)
     return undo
 
 

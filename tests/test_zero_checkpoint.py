@@ -4,6 +4,7 @@ DeepSpeed's arguments (client_state, save_latest, exclude_frozen_parameters, the
 the return values) do what DeepSpeed's do. Faults: tests/test_faults_checkpoint.py."""
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -233,6 +234,21 @@ def _deepspeed_args(t, root):
                                    {k: v for k, v in want.items() if not k.startswith("frozen.")}),
                              _same({k: got[k] for k in own_frozen}, own_frozen),
                              not _same(own_frozen, {k: want[k] for k in own_frozen}))
+    # ZPP_CHECKPOINT_FSYNC=0: no fsync at all (with the default: one per file and directory)
+    real_fsync, calls = os.fsync, []
+    os.fsync = lambda fd: calls.append(fd) or real_fsync(fd)
+    try:
+        e1.save_checkpoint(root / "sync")
+        synced = len(calls)
+        os.environ["ZPP_CHECKPOINT_FSYNC"] = "0"
+        e1.save_checkpoint(root / "nosync")
+        del os.environ["ZPP_CHECKPOINT_FSYNC"]
+    finally:
+        os.fsync = real_fsync
+    out["fsyncs"] = (synced, len(calls) - synced)
+    e = fresh()
+    e.load_checkpoint(root / "nosync")
+    out["nosync_loads"] = _same(_params(e), want)
     # save_latest=False; bad tags and client_state, on every rank, leaving nothing behind
     e1.save_checkpoint(root, tag="side", save_latest=False)
     out["latest_kept"] = (root / "latest").read_text()
@@ -266,13 +282,16 @@ def test_deepspeed_arguments(tmp_path):
         assert res["lenient_unexpected"], rank
         assert res["exclude_frozen"] == (True, True, True), (rank, res["exclude_frozen"])
         assert res["latest_kept"] == "global_step3", rank
+        # rank 0: shard, meta.pt, client_state.pt, meta.json, staging dir, save_dir x2, latest; others: shard
+        assert res["fsyncs"] == ((8, 0) if rank == 0 else (1, 0)) and res["nosync_loads"], (rank, res["fsyncs"])
         kind, msg = res["tags_differ"]
         assert kind == "ValueError" and "['r0', 'r1']" in msg, msg
         kind, msg = res["bad_tag"]
         assert kind == "ValueError" and "'a/b'" in msg, msg
         kind, msg = res["bad_client"]
         assert kind == "TypeError" and "client_state must be a dict" in msg and "[on rank 0 of 2]" in msg, msg
-        assert res["entries"] == ["global_step3", "latest", "nofrozen", "plus", "side"], (rank, res["entries"])
+        assert res["entries"] == ["global_step3", "latest", "nofrozen", "nosync", "plus", "side", "sync"], \
+            (rank, res["entries"])
     meta = json.loads((tmp_path / "nofrozen" / "global_step3" / "meta.json").read_text())
     assert meta["excluded_frozen"] == ["frozen.weight", "frozen.bias"], meta["excluded_frozen"]
     assert not any(n.startswith("frozen.") for n in read_parameters(tmp_path / "nofrozen" / "global_step3"))

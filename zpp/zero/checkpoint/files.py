@@ -13,7 +13,11 @@ is what is loaded.
 [Note: durability]
 Each file is ``fsync``-ed after writing, and each directory after a rename in it, so once
 ``save_checkpoint`` returns, the tag and ``latest`` survive a power loss, not only a crash of
-the process (on filesystems that honour fsync; the cost is measured in perf/BENCHMARKS.md).
+the process (on filesystems that honour fsync). The cost is the wait for the disk, which the
+page cache would otherwise hide (perf/BENCHMARKS.md, "Checkpoints"). ``ZPP_CHECKPOINT_FSYNC=0``
+turns the fsyncs off: a crash of the processes still leaves every tag whole, but after a
+power loss ``latest`` may name a tag whose files never reached the disk; loading it then
+raises CheckpointError (the checksums), and an older tag has to be named.
 """
 from __future__ import annotations
 
@@ -60,8 +64,8 @@ class ChecksumWriter:
         return {"bytes": self.size, "crc32": self.crc}
 
 
-def write_torch(obj: Any, path: Path) -> Record:
-    """``torch.save(obj)`` into a new file ``path``, fsync-ed; its record."""
+def write_torch(obj: Any, path: Path, *, durable: bool = True) -> Record:
+    """``torch.save(obj)`` into a new file ``path``, fsync-ed if ``durable``; its record."""
     with open(path, "xb") as f:
         w = ChecksumWriter(f)
         try:
@@ -71,21 +75,25 @@ def write_torch(obj: Any, path: Path) -> Record:
                 raise w.error from e
             raise
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     return w.record()
 
 
-def write_bytes(data: bytes, path: Path) -> Record:
-    """``data`` into a new file ``path``, fsync-ed; its record."""
+def write_bytes(data: bytes, path: Path, *, durable: bool = True) -> Record:
+    """``data`` into a new file ``path``, fsync-ed if ``durable``; its record."""
     with open(path, "xb") as f:
         w = ChecksumWriter(f)
         w.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     return w.record()
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path, durable: bool = True) -> None:
+    if not durable:
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

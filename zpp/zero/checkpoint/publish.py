@@ -46,23 +46,23 @@ def staging_dir(root: Path, tag: str, save_id: str) -> Path:
     return root / f"{STAGING}{save_id}-{tag}"
 
 
-def publish(staging: Path, final: Path, save_id: str) -> Path | None:
+def publish(staging: Path, final: Path, save_id: str, *, durable: bool = True) -> Path | None:
     """Make ``staging`` the directory ``final`` (see [Note: publishing]); returns the path
     that now holds the replaced version (to remove), or None for a new tag."""
     root = final.parent
     if not os.path.lexists(final):
         os.rename(staging, final)
-        fsync_dir(root)
+        fsync_dir(root, durable)
         return None
     if not final.is_dir() or final.is_symlink():
         raise FileExistsError(f"save_checkpoint: {final} exists and is not a checkpoint directory")
     if _exchange(staging, final):
-        fsync_dir(root)
+        fsync_dir(root, durable)
         return staging
     old = root / f"{OLD}{save_id}-{final.name}"
     os.rename(final, old)
     os.rename(staging, final)
-    fsync_dir(root)
+    fsync_dir(root, durable)
     return old
 
 
@@ -89,15 +89,16 @@ def _libc() -> ctypes.CDLL:
     return _LIBC
 
 
-def write_latest(root: Path, tag: str) -> None:
+def write_latest(root: Path, tag: str, *, durable: bool = True) -> None:
     """Point ``root/latest`` at ``tag`` (temporary file, fsync, rename, fsync the directory)."""
     tmp = root / f".{LATEST}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(tag)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
-    fsync_dir(root)
+    fsync_dir(root, durable)
 
 
 def remove_stale(root: Path) -> list[str]:

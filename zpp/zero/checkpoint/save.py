@@ -53,6 +53,8 @@ FORMAT = 2
 META_JSON = "meta.json"
 META_PT = "meta.pt"
 CLIENT_STATE = "client_state.pt"
+#: "0" (or false/no/off) turns the fsyncs off; see [Note: durability] in files.py
+FSYNC_ENV = "ZPP_CHECKPOINT_FSYNC"
 #: engine counters saved and restored when the engine has them
 COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
 
@@ -114,6 +116,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None,
     root = Path(save_dir)
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     where = f"save_checkpoint(tag {tag!r}, {root})"
+    durable = os.environ.get(FSYNC_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
     # 1. start
     mine: dict[str, Any] = {"ok": True, "tag": tag, "save_id": None}
@@ -151,7 +154,8 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None,
                 f"save_checkpoint: rank {rank} does not see the staging directory {staging} that rank 0 "
                 f"created: {root} must be on a filesystem every rank shares")
         crash_point("staged")
-        mine["files"] = _write_rank_files(engine, staging, tag, save_id, client_state, exclude_frozen_parameters)
+        mine["files"] = _write_rank_files(engine, staging, tag, save_id, client_state, exclude_frozen_parameters,
+                                          durable)
         crash_point("written")
     except Exception as e:  # noqa: BLE001
         mine, own = {**mine, **failure(e)}, e
@@ -168,13 +172,13 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None,
         try:
             files = {name: {**rec, "rank": r} for r, res in enumerate(results) for name, rec in res["files"].items()}
             _check_visible(staging, files, root)
-            _write_manifest(engine, staging, tag, save_id, files, exclude_frozen_parameters)
+            _write_manifest(engine, staging, tag, save_id, files, exclude_frozen_parameters, durable)
             crash_point("verified")
-            old = pub.publish(staging, root / tag, save_id)
+            old = pub.publish(staging, root / tag, save_id, durable=durable)
             published = True
             crash_point("published")
             if save_latest:
-                pub.write_latest(root, tag)
+                pub.write_latest(root, tag, durable=durable)
             crash_point("latest")
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
@@ -195,7 +199,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None,
 
 
 def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_state: dict,
-                      exclude_frozen: bool) -> dict[str, dict]:
+                      exclude_frozen: bool, durable: bool) -> dict[str, dict]:
     """This rank's files in the staging directory; their records."""
     world = engine.world
     rank = world.rank
@@ -203,7 +207,7 @@ def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_stat
 
     def put(name: str, obj: Any) -> None:
         try:
-            out[name] = write_torch(obj, staging / name)
+            out[name] = write_torch(obj, staging / name, durable=durable)
         except Exception as e:
             raise CheckpointError(f"save_checkpoint: rank {rank} could not write {name} of tag {tag!r} in "
                                   f"{staging.parent}: {type(e).__name__}: {e}") from e
@@ -261,7 +265,7 @@ def _check_visible(staging: Path, files: dict[str, dict], root: Path) -> None:
 
 
 def _write_manifest(engine, staging: Path, tag: str, save_id: str, files: dict[str, dict],
-                    exclude_frozen: bool) -> None:
+                    exclude_frozen: bool, durable: bool) -> None:
     units = [u for u in engine.units if u.trainable or not exclude_frozen]
     manifest = {
         "format": FORMAT, "tag": tag, "save_id": save_id, "world_size": engine.world.world_size,
@@ -276,5 +280,5 @@ def _write_manifest(engine, staging: Path, tag: str, save_id: str, files: dict[s
         "files": dict(sorted(files.items())),
     }
     manifest["manifest_crc32"] = manifest_crc(manifest)
-    write_bytes(json.dumps(manifest, indent=1).encode(), staging / META_JSON)
-    fsync_dir(staging)
+    write_bytes(json.dumps(manifest, indent=1).encode(), staging / META_JSON, durable=durable)
+    fsync_dir(staging, durable)
