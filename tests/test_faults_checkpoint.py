@@ -11,7 +11,9 @@
   save;
 * a damaged latest tag (bytes flipped, truncated, missing shard, a shard of another save,
   an edited or re-sealed meta.json): every rank raises CheckpointError naming the file and
-  the tag, the engine is untouched, and the previous tag loads and continues exactly.
+  the tag, the engine is untouched, and the previous tag loads and continues exactly;
+* where renameat2's exchange is refused, a re-saved tag is replaced through a
+  ``.zpp-old-*`` directory, and a publish that died between its renames is undone.
 
 Each case asserts the error type and message, the ranks, and the seconds to the error.
 """
@@ -361,3 +363,28 @@ def test_damaged_checkpoint_raises_everywhere_and_previous_tag_continues(tmp_pat
                 assert part in msg, (r, name, part, msg)
             assert untouched, (r, name)  # nothing was half-loaded
             assert path == "global_step3" and client == {} and exact, (r, name, path, client, exact)
+
+
+# ---------------------------------------------------------------------- publishing without renameat2
+def test_publish_without_exchange(tmp_path, monkeypatch):
+    """Where the atomic exchange is refused, a re-saved tag goes through .zpp-old-<id>-<tag>;
+    a publish that died between its two renames is undone by the next save's cleanup."""
+    from zpp.zero.checkpoint import publish
+
+    def version(d: Path, text: str) -> Path:
+        d.mkdir()
+        (d / "meta.json").write_text(text)
+        return d
+
+    root = tmp_path
+    version(root / "ck", "old")
+    monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
+    staging = version(publish.staging_dir(root, "ck", "0" * 16), "new")
+    old = publish.publish(staging, root / "ck", "0" * 16)
+    assert old == root / ".zpp-old-0000000000000000-ck" and (old / "meta.json").read_text() == "old"
+    assert (root / "ck" / "meta.json").read_text() == "new" and not staging.exists()
+    # died between the renames: the tag is gone, its old version waits under .zpp-old-*
+    old.rename(root / ".zpp-old-1111111111111111-ck")
+    (root / "ck").rename(root / ".zpp-staging-1111111111111111-ck")
+    assert sorted(publish.remove_stale(root)) == [".zpp-old-1111111111111111-ck", ".zpp-staging-1111111111111111-ck"]
+    assert (root / "ck" / "meta.json").read_text() == "old" and _stale(root) == []
