@@ -1,15 +1,20 @@
-"""Sharded checkpoints: save -> load -> continue gives the losses of not stopping, and a
-4-rank (2 nodes x 2) checkpoint reshards onto 2 ranks exactly (weights and Adam state)."""
+"""Sharded checkpoints: save -> load -> continue gives the losses of not stopping, a 4-rank
+(2 nodes x 2) checkpoint reshards onto 2 ranks exactly (weights and Adam state), and
+DeepSpeed's arguments (client_state, save_latest, exclude_frozen_parameters, the load flags,
+the return values) do what DeepSpeed's do. Faults: tests/test_faults_checkpoint.py."""
+import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import zpp.zero as zz
 from tests.dist import run_world
 from tests.gpt import GPT, GPTConfig
 from tests.test_zero_engine import OddNet
-from zpp.zero.checkpoint import _collect
+from zpp.zero.checkpoint.load import read_parameters
 
 
 def _model(kind, seed):
@@ -98,16 +103,195 @@ def test_save_load_continue_and_reshard(tmp_path):
     meta = json.loads(Path(root, "gpt-s3-gas1-fp32", "global_step3", "meta.json").read_text())
     assert meta["world_size"] == 4 and meta["global_steps"] == 3
     assert Path(root, "gpt-s3-gas1-fp32", "latest").read_text() == "global_step3"
-    assert not list(Path(root).rglob(".*.tmp*"))  # every write was atomic and finished
+    assert not list(Path(root).rglob(".*.tmp*")) and not list(Path(root).rglob(".zpp-*"))  # nothing left behind
     assert run_world(_reshard, 2, args=(root,), timeout=300) == [True, True]
     # the 2-rank re-save holds exactly what the 4-rank checkpoint held, by parameter
-    src = Path(root, "gpt-s3-gas1-fp32", "global_step3")
-    a = _collect(src, json.loads((src / "meta.json").read_text()))
+    a = read_parameters(Path(root, "gpt-s3-gas1-fp32", "global_step3"))
     for stage in (3, 1):
-        dst = Path(root, f"resharded-s{stage}", "global_step3")
-        b = _collect(dst, json.loads((dst / "meta.json").read_text()))
+        b = read_parameters(Path(root, f"resharded-s{stage}", "global_step3"))
         assert sorted(a) == sorted(b)
         for n in a:
             assert sorted(a[n]) == sorted(b[n]) == ["exp_avg", "exp_avg_sq", "step", "values"], (n, sorted(b[n]))
             for k in a[n]:
                 assert torch.equal(a[n][k], b[n][k]), (stage, n, k)
+
+
+# ---------------------------------------------------------------------- DeepSpeed's arguments (2 ranks)
+@dataclasses.dataclass
+class Marker:
+    """A user object in client_state (pickled by name)."""
+
+    n: int
+
+
+class OddNetPlus(OddNet):
+    """OddNet with one more parameter (for load_module_strict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Parameter(torch.full((2,), 0.5))
+
+    def forward(self, x, y):
+        return super().forward(x, y) + 0.1 * self.extra.sum()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _client(rank):
+    return {"epoch": 3, "rng": torch.Generator().manual_seed(5).get_state(), "pair": (1, "b"),
+            "nested": {"a": [1, 2.5, "x", None], "t": torch.arange(5, dtype=torch.int16)}, "obj": Marker(7),
+            "saved_by": rank}
+
+
+def _params(e, names=None):
+    sd = e.consolidated_state_dict()
+    return {k: v for k, v in sd.items() if names is None or k in names}
+
+
+def _errors(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        return type(e).__name__, str(e)
+    return None
+
+
+def _deepspeed_args(t, root):
+    import warnings
+
+    root = Path(root)
+    out = {}
+    cfg = _cfg(3)
+    e1, *_ = zz.initialize(model=_model("odd", 0), config=cfg, transport=t)
+    _train(e1, "odd", t.rank, range(3))
+    out["save_returns"] = e1.save_checkpoint(root, client_state=_client(t.rank))
+    want = _params(e1)
+    lr_at_save = e1.get_lr()
+    straight = _train(e1, "odd", t.rank, range(3, 5))
+
+    def fresh(model=None):
+        e, *_ = zz.initialize(model=model or _model("odd", 99), config=cfg, transport=t)
+        return e
+
+    # default load: path, rank 0's client_state on every rank, exact continuation
+    e = fresh()
+    path, client = e.load_checkpoint(root)
+    out["load"] = (path == str(root / "global_step3"), _same(client, _client(0)),
+                   _train(e, "odd", t.rank, range(3, 5)) == straight)
+    # nothing to load: (None, None) with a warning on rank 0; a missing tag directory raises
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out["no_latest"] = (e.load_checkpoint(root / "empty"), [str(w.message) for w in seen])
+    out["no_tag"] = _errors(lambda: e.load_checkpoint(root, tag="nope"))
+    # load_module_only: weights and buffers; optimizer, schedule and counters as they were
+    e = fresh()
+    lr0, sched0 = e.get_lr(), e.lr_scheduler.state_dict()
+    _, client = e.load_checkpoint(root, load_module_only=True)
+    ref_model = _model("odd", 99)
+    ref_model.load_state_dict(want)
+    ref = fresh(ref_model)
+    out["module_only"] = (_same(_params(e), want), e.global_steps, len(e.optimizer.state), e.get_lr() == lr0,
+                          e.lr_scheduler.state_dict() == sched0, _same(client, _client(0)),
+                          _train(e, "odd", t.rank, range(3, 5)) == _train(ref, "odd", t.rank, range(3, 5)))
+    # load_optimizer_states=False: weights, schedule, counters; optimizer state as it was (fresh)
+    e = fresh()
+    e.load_checkpoint(root, load_optimizer_states=False)
+    out["no_optimizer"] = (_same(_params(e), want), e.global_steps, len(e.optimizer.state), e.get_lr() == lr_at_save)
+    # load_lr_scheduler_states=False: the schedule as it was; the optimizer state loaded
+    e = fresh()
+    sched0 = e.lr_scheduler.state_dict()
+    e.load_checkpoint(root, load_lr_scheduler_states=False)
+    out["no_scheduler"] = (e.lr_scheduler.state_dict() == sched0, e.global_steps, len(e.optimizer.state) > 0)
+    # load_module_strict: a model with one more parameter
+    e = fresh(OddNetPlus())
+    before = _params(e)
+    out["strict_missing"] = (_errors(lambda: e.load_checkpoint(root)), _same(_params(e), before))
+    e.load_checkpoint(root, load_module_strict=False)
+    got = _params(e)
+    out["lenient_missing"] = (_same({k: v for k, v in got.items() if k != "extra"}, want),
+                              torch.equal(got["extra"], torch.full((2,), 0.5)), e.global_steps)
+    e.save_checkpoint(root / "plus")
+    e = fresh()
+    out["strict_unexpected"] = _errors(lambda: e.load_checkpoint(root / "plus"))
+    e.load_checkpoint(root / "plus", load_module_strict=False)
+    out["lenient_unexpected"] = _same(_params(e), want)
+    # exclude_frozen_parameters: the frozen layer stays out; the loading model keeps its own
+    e1.load_checkpoint(root)  # back to step 3
+    e1.save_checkpoint(root / "nofrozen", exclude_frozen_parameters=True)
+    e = fresh()
+    own_frozen = _params(e, {"frozen.weight", "frozen.bias"})
+    e.load_checkpoint(root / "nofrozen")
+    got = _params(e)
+    out["exclude_frozen"] = (_same({k: v for k, v in got.items() if not k.startswith("frozen.")},
+                                   {k: v for k, v in want.items() if not k.startswith("frozen.")}),
+                             _same({k: got[k] for k in own_frozen}, own_frozen),
+                             not _same(own_frozen, {k: want[k] for k in own_frozen}))
+    # ZPP_CHECKPOINT_FSYNC=0: no fsync at all (with the default: one per file and directory)
+    real_fsync, calls = os.fsync, []
+    os.fsync = lambda fd: calls.append(fd) or real_fsync(fd)
+    try:
+        e1.save_checkpoint(root / "sync")
+        synced = len(calls)
+        os.environ["ZPP_CHECKPOINT_FSYNC"] = "0"
+        e1.save_checkpoint(root / "nosync")
+        del os.environ["ZPP_CHECKPOINT_FSYNC"]
+    finally:
+        os.fsync = real_fsync
+    out["fsyncs"] = (synced, len(calls) - synced)
+    e = fresh()
+    e.load_checkpoint(root / "nosync")
+    out["nosync_loads"] = _same(_params(e), want)
+    # save_latest=False; bad tags and client_state, on every rank, leaving nothing behind
+    e1.save_checkpoint(root, tag="side", save_latest=False)
+    out["latest_kept"] = (root / "latest").read_text()
+    out["tags_differ"] = _errors(lambda: e1.save_checkpoint(root, tag=f"r{t.rank}"))
+    out["bad_tag"] = _errors(lambda: e1.save_checkpoint(root, tag="a/b"))
+    out["bad_client"] = _errors(lambda: e1.save_checkpoint(root, client_state=[1] if t.rank == 0 else {}))
+    t.barrier()
+    out["entries"] = sorted(p.name for p in root.iterdir())
+    return out
+
+
+def test_deepspeed_arguments(tmp_path):
+    results = run_world(_deepspeed_args, 2, args=(str(tmp_path),), timeout=240)
+    for rank, res in enumerate(results):
+        assert res["save_returns"] is True
+        assert res["load"] == (True, True, True), (rank, res["load"])
+        (got, warned) = res["no_latest"]
+        assert got == (None, None), (rank, got)
+        assert (len(warned) == 1 and "no tag given" in warned[0]) if rank == 0 else not warned, (rank, warned)
+        kind, msg = res["no_tag"]
+        assert kind == "FileNotFoundError" and "'nope'" in msg and str(tmp_path / "nope") in msg, (rank, msg)
+        assert res["module_only"] == (True, 0, 0, True, True, True, True), (rank, res["module_only"])
+        assert res["no_optimizer"] == (True, 3, 0, True), (rank, res["no_optimizer"])
+        assert res["no_scheduler"] == (True, 3, True), (rank, res["no_scheduler"])
+        (kind, msg), untouched = res["strict_missing"]
+        assert kind == "ValueError" and "missing ['extra']" in msg and "load_module_strict=False" in msg, msg
+        assert untouched, rank
+        assert res["lenient_missing"] == (True, True, 3), (rank, res["lenient_missing"])
+        kind, msg = res["strict_unexpected"]
+        assert kind == "ValueError" and "unexpected ['extra']" in msg, msg
+        assert res["lenient_unexpected"], rank
+        assert res["exclude_frozen"] == (True, True, True), (rank, res["exclude_frozen"])
+        assert res["latest_kept"] == "global_step3", rank
+        # rank 0: shard, meta.pt, client_state.pt, meta.json, staging dir, save_dir x2, latest; others: shard
+        assert res["fsyncs"] == ((8, 0) if rank == 0 else (1, 0)) and res["nosync_loads"], (rank, res["fsyncs"])
+        kind, msg = res["tags_differ"]
+        assert kind == "ValueError" and "['r0', 'r1']" in msg, msg
+        kind, msg = res["bad_tag"]
+        assert kind == "ValueError" and "'a/b'" in msg, msg
+        kind, msg = res["bad_client"]
+        assert kind == "TypeError" and "client_state must be a dict" in msg and "[on rank 0 of 2]" in msg, msg
+        assert res["entries"] == ["global_step3", "latest", "nofrozen", "nosync", "plus", "side", "sync"], \
+            (rank, res["entries"])
+    meta = json.loads((tmp_path / "nofrozen" / "global_step3" / "meta.json").read_text())
+    assert meta["excluded_frozen"] == ["frozen.weight", "frozen.bias"], meta["excluded_frozen"]
+    assert not any(n.startswith("frozen.") for n in read_parameters(tmp_path / "nofrozen" / "global_step3"))

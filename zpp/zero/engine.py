@@ -321,13 +321,21 @@ class ZeroEngine(torch.nn.Module):
         """Bytes of model states this rank holds now; see :func:`zpp.zero.memory.model_state_bytes`."""
         return model_state_bytes(self.units, self.optimizer)
 
-    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None) -> str:
-        """Collective: write a sharded checkpoint (see :mod:`zpp.zero.checkpoint`)."""
-        return checkpoint.save_checkpoint(self, save_dir, tag)
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
+                        client_state: dict = {},  # noqa: B006 - DeepSpeed's signature; never mutated
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: write a verified, atomically published sharded checkpoint; DeepSpeed's
+        signature, returns True. See :func:`zpp.zero.checkpoint.save_checkpoint`."""
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None) -> str:
-        """Collective: load a checkpoint saved at any world size or stage."""
-        return checkpoint.load_checkpoint(self, load_dir, tag)
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Collective: load a checkpoint saved at any world size or stage; DeepSpeed's
+        signature, returns ``(load_path, client_state)`` or ``(None, None)``. See
+        :func:`zpp.zero.checkpoint.load_checkpoint`."""
+        return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                          load_lr_scheduler_states, load_module_only)
 
     def close(self) -> None:
         """Remove every hook the engine installed and, with sharded parameters, gather them

@@ -21,7 +21,7 @@ gradients itself (full precision in warm-up, 1-bit compressed afterwards), so:
 * gradient clipping uses the rms of the ranks' local norms (see :mod:`zpp.zero.gradnorm`);
 * checkpoints: every rank writes its optimizer ``state_dict`` (error-feedback buffers,
   phase and counters, and its own weights, which differ between ranks between 0/1 Adam's
-  syncs); see [Note: 1-bit optimizer state] in :mod:`zpp.zero.checkpoint`.
+  syncs); see [Note: 1-bit optimizer state] in :mod:`zpp.zero.checkpoint.load`.
 """
 from __future__ import annotations
 

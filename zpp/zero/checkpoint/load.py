@@ -1,0 +1,362 @@
+"""``load_checkpoint``: read and verify everything, agree, then apply.
+
+[Note: resharding]
+A shard records the parameter names of each unit and the range ``[start, stop)`` of the
+unit's flat buffer it covers. Loading reads every shard file, checks that the ranges of
+each unit tile it, concatenates them and cuts the result into per-parameter vectors by
+name; each rank then rebuilds its own units (whatever the new world size, stage or bucket
+size) from those vectors and keeps its owned range. The transient cost is one full copy of
+the model states per rank.
+
+[Note: no half-loaded engine]
+Every rank first reads and checks every file it needs (sizes and CRC32 against
+``meta.json``, the shards against ``meta.json``'s units, the names against the model) into
+memory without touching the engine; the ranks then agree (see [Note: agreement] in
+:mod:`zpp.zero.checkpoint.agree`), and only if every rank succeeded does any rank change
+its engine. A failed load leaves every rank's engine exactly as it was.
+
+[Note: 1-bit optimizer state]
+With a 1-bit optimizer (see [Note: 1-bit optimizers] in :mod:`zpp.zero.optimizer`) each
+rank saves ``onebit_optim_rankR.pt``, its optimizer ``state_dict`` (error-feedback buffers,
+phase and counters, and its own weights). At the same world size every rank restores its
+own file and weights; at another world size every rank loads rank 0's (the replicated
+state; error feedback restarts, and the optimizer warns).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zpp.zero.checkpoint import publish as pub
+from zpp.zero.checkpoint.agree import exchange, failure, raise_agreed
+from zpp.zero.checkpoint.errors import CheckpointError
+from zpp.zero.checkpoint.files import check_present, describe, load_torch, read_verified
+from zpp.zero.checkpoint.save import (
+    CLIENT_STATE,
+    COUNTERS,
+    FORMAT,
+    META_JSON,
+    META_PT,
+    manifest_crc,
+    onebit_name,
+    shard_name,
+)
+
+
+@dataclasses.dataclass
+class _Read:
+    """Everything a load applies, read and checked (see [Note: no half-loaded engine])."""
+
+    path: Path
+    meta: dict[str, Any]
+    units: list[tuple[Any, torch.Tensor, dict | None]]  # (unit, numel values, optimizer state or None: fresh)
+    extra: dict[str, Any]  # meta.pt
+    client_state: dict
+    onebit: dict | None
+    load_optimizer: bool
+    load_scheduler: bool
+    load_counters: bool
+
+
+def load_checkpoint(engine, load_dir: str | os.PathLike, tag: Any = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    """Collective: load a checkpoint written by :func:`~zpp.zero.checkpoint.save_checkpoint`
+    at any world size or stage; DeepSpeed's signature and return value.
+
+    Args:
+        load_dir: the directory of the checkpoints.
+        tag: which checkpoint (Default: the one ``load_dir/latest`` names).
+        load_module_strict: raise ``ValueError`` naming them if the checkpoint lacks some of
+            the model's parameters or buffers, or holds some the model does not have; False
+            loads those present (a unit with a missing parameter starts with fresh optimizer
+            state). Parameters saved with ``exclude_frozen_parameters`` are not missing.
+        load_optimizer_states: restore the optimizer's state and hyper-parameters; False
+            leaves the optimizer as it is (fresh after ``initialize``), as DeepSpeed does.
+        load_lr_scheduler_states: restore the schedule (False: leave it as it is).
+        load_module_only: weights and buffers only: the optimizer, the schedule and the step
+            counters stay as they are (DeepSpeed's warm start).
+
+    Returns:
+        ``(path of the checkpoint directory, client_state)``; ``(None, None)`` when ``tag`` is
+        None and there is no ``load_dir/latest`` (with a warning, as DeepSpeed).
+
+    Raises (on every rank, the engine untouched; see [Note: no half-loaded engine]):
+        FileNotFoundError: the tag's directory does not exist (DeepSpeed raises a bare
+            AssertionError here).
+        CheckpointError: a missing, truncated or corrupt file, or metadata that disagrees
+            with the shards, naming the file and the tag.
+        ValueError: the checkpoint does not fit the model (strict names, sizes).
+    """
+    world = engine.world
+    want = {"optimizer": load_optimizer_states and not load_module_only,
+            "scheduler": load_lr_scheduler_states and not load_module_only, "counters": not load_module_only}
+    root = Path(load_dir)
+    read: _Read | None = None
+    own = None
+    try:
+        read = _read(engine, root, tag, strict=load_module_strict, **want)
+        mine = {"ok": True, "found": read is not None, "tag": None if read is None else read.path.name}
+    except Exception as e:  # noqa: BLE001 - see [Note: agreement]
+        mine, own = {**failure(e), "found": None, "tag": None}, e
+    results = exchange(world, mine, during=f"load_checkpoint({root}): the ranks were agreeing on what they read")
+    raise_agreed(results, own=own, suffix="; no rank loaded anything")
+    found = {r["found"] for r in results}
+    tags = {r["tag"] for r in results}
+    if len(found) > 1 or len(tags) > 1:
+        raise CheckpointError(
+            f"load_checkpoint: the ranks read different checkpoints from {root}: "
+            f"{[r['tag'] for r in results]} (one per rank; None: no {pub.LATEST} file); {root} must be on a "
+            "filesystem every rank shares, and not be saved to while it loads")
+    if read is None:
+        if world.rank == 0:
+            warnings.warn(f"load_checkpoint: no tag given and no {root / pub.LATEST}: nothing loaded",
+                          stacklevel=3)
+        return None, None
+    _apply(engine, read)
+    return str(read.path), read.client_state
+
+
+# ---------------------------------------------------------------------- reading (no engine change)
+def _read(engine, root: Path, tag: Any, *, strict: bool, optimizer: bool, scheduler: bool,
+          counters: bool) -> _Read | None:
+    if tag is None:
+        latest = root / pub.LATEST
+        if not latest.is_file():
+            return None
+        tag = latest.read_text().strip()
+        if not tag:
+            raise CheckpointError(f"load_checkpoint: {latest} is empty")
+    tag = str(tag)
+    path = root / tag
+    if not path.is_dir():
+        raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found: no directory {path}")
+    meta = _read_manifest(path, tag)
+    files = meta.get("files")  # None: format 1, unverified
+    if files is not None:
+        for name, rec in files.items():
+            check_present(path / name, rec, tag)
+
+    def record(name: str) -> dict | None:
+        if files is None:
+            return None
+        if name not in files:
+            raise CheckpointError(f"load_checkpoint: {describe(path / name, tag)} is not in meta.json's files")
+        return files[name]
+
+    by_name = _collect(path, meta, tag, record)
+    extra = load_torch(path / META_PT, record(META_PT), tag)
+    _check_save_id(extra, meta, path / META_PT, tag)
+    _check_names(engine, by_name, extra, meta, path, strict)
+    onebit = None
+    if optimizer and engine.onebit_views is not None:
+        onebit = _read_onebit(engine, path, meta, tag, record)
+    if optimizer and len(extra["param_groups"]) != len(engine.optimizer.param_groups):
+        raise ValueError(f"load_checkpoint: the checkpoint {path} has {len(extra['param_groups'])} optimizer "
+                         f"parameter groups, the engine {len(engine.optimizer.param_groups)}; pass "
+                         "load_optimizer_states=False to start the optimizer afresh")
+    client = load_torch(path / CLIENT_STATE, record(CLIENT_STATE), tag) if files is not None else {}
+    units = [(u, *_unit_values(u, by_name, optimizer and onebit is None)) for u in engine.units]
+    return _Read(path, meta, units, extra, client, onebit, optimizer, scheduler, counters)
+
+
+def read_parameters(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The parameters of the checkpoint directory ``path`` (``save_dir/tag``) by name, each
+    ``{"values": fp32 vector, <optimizer state key>: ...}``, checked as a load checks them;
+    no engine or process group needed."""
+    path = Path(path)
+    meta = _read_manifest(path, path.name)
+    files = meta.get("files")
+    return _collect(path, meta, path.name, lambda name: None if files is None else files[name])
+
+
+def _read_manifest(path: Path, tag: str) -> dict[str, Any]:
+    f = path / META_JSON
+    if not f.exists():
+        raise CheckpointError(f"load_checkpoint: {describe(f, tag)} is missing: an incomplete save of an older "
+                              "zpp, or not a zpp checkpoint")
+    try:
+        meta = json.loads(read_verified(f, None, tag))
+    except ValueError as e:
+        raise CheckpointError(
+            f"load_checkpoint: {describe(f, tag)} is not valid JSON (truncated or corrupt): {e}") from e
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt not in (1, FORMAT):
+        raise CheckpointError(
+            f"load_checkpoint: {describe(f, tag)} has format={fmt!r}; this zpp reads 1 and {FORMAT}")
+    if fmt == 1:
+        warnings.warn(f"load_checkpoint: {path} is a format-1 checkpoint (no checksums): its files are not "
+                      "verified", stacklevel=4)
+        return meta
+    if meta.get("manifest_crc32") != manifest_crc(meta):
+        raise CheckpointError(f"load_checkpoint: {describe(f, tag)} is corrupt or was edited: its CRC32 does "
+                              f"not match its manifest_crc32 ({meta.get('manifest_crc32')!r})")
+    return meta
+
+
+def _check_save_id(obj: dict, meta: dict, f: Path, tag: str) -> None:
+    if "save_id" in meta and obj.get("save_id") != meta["save_id"]:
+        raise CheckpointError(f"load_checkpoint: {describe(f, tag)} belongs to another save (save_id "
+                              f"{obj.get('save_id')!r}, meta.json {meta['save_id']!r})")
+
+
+def _collect(path: Path, meta: dict, tag: str, record) -> dict[str, dict[str, Any]]:
+    """Per parameter name: ``{"values": fp32, <optimizer key>: tensor or scalar}``; see
+    [Note: resharding]. Checks the shards against ``meta.json``."""
+    ranks = range(1) if meta["degree"] == 1 else range(meta["world_size"])
+    declared = {tuple(u["names"]): u["numels"] for u in meta["units"]}
+    pieces: dict[tuple, dict[int, dict]] = {k: {} for k in declared}
+    for r in ranks:
+        f = path / shard_name(r)
+        shard = load_torch(f, record(f.name), tag, mapped=True)
+        _check_save_id(shard, meta, f, tag)
+
+        def bad(what: str, f=f) -> CheckpointError:
+            return CheckpointError(f"load_checkpoint: {describe(f, tag)} disagrees with meta.json: {what}")
+
+        if shard.get("world_size") != meta["world_size"] or shard.get("rank") != r:
+            raise bad(f"it is rank {shard.get('rank')} of {shard.get('world_size')}, expected rank {r} of "
+                      f"{meta['world_size']}")
+        for e in shard["units"]:
+            key = tuple(e["names"])
+            if declared.get(key) != e["numels"]:
+                raise bad(f"unit {key[0]!r}.. has sizes {e['numels']}, meta.json {declared.get(key)}")
+            if e["values"].numel() != e["stop"] - e["start"]:
+                raise bad(f"unit {key[0]!r}.. covers [{e['start']}, {e['stop']}) with {e['values'].numel()} values")
+            pieces[key][e["start"]] = e
+    out: dict[str, dict] = {}
+    for names, ranges in pieces.items():
+        n = sum(declared[names])
+        entries = [ranges[s] for s in sorted(ranges)]
+        end = 0
+        for e in entries:
+            if e["start"] != end:
+                break
+            end = e["stop"]
+        if end < n:
+            raise CheckpointError(f"load_checkpoint: tag {tag!r} ({path}): the shards cover only [0, {end}) of the "
+                                  f"{n} elements of unit {names[0]!r}.. (meta.json lists it)")
+        flat = {"values": torch.cat([e["values"] for e in entries])[:n]}
+        sliced = {"values"}
+        for k, v in entries[0].get("optim", {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == entries[0]["values"].numel():
+                flat[k] = torch.cat([e["optim"][k] for e in entries])[:n]
+                sliced.add(k)
+            else:
+                flat[k] = v  # per-tensor scalars such as Adam's step
+        off = 0
+        for name, numel in zip(names, declared[names], strict=True):
+            out[name] = {k: (v[off:off + numel] if k in sliced else v) for k, v in flat.items()}
+            off += numel
+    return out
+
+
+def _check_names(engine, by_name: dict, extra: dict, meta: dict, path: Path, strict: bool) -> None:
+    """Sizes must match; with ``strict`` the names too (parameters and buffers)."""
+    params = {n: s.numel for u in engine.units for n, s in zip(u.names, u.layout.slots, strict=True)}
+    sizes = [f"{n} ({by_name[n]['values'].numel()} in the checkpoint, {k} in the model)"
+             for n, k in params.items() if n in by_name and by_name[n]["values"].numel() != k]
+    if sizes:
+        raise ValueError(f"load_checkpoint: {path}: parameters of another size: {sizes[:8]} (of {len(sizes)})")
+    if not strict:
+        return
+    excluded = set(meta.get("excluded_frozen", ()))
+    buffers = {n for n, _ in engine.module.named_buffers()}
+    missing = [n for n in params if n not in by_name and n not in excluded]
+    missing += [n for n in buffers if n not in extra["buffers"]]
+    unexpected = [n for n in by_name if n not in params] + [n for n in extra["buffers"] if n not in buffers]
+    if missing or unexpected:
+        raise ValueError(
+            f"load_checkpoint: {path} does not match the model: missing {missing[:8]} (of {len(missing)}), "
+            f"unexpected {unexpected[:8]} (of {len(unexpected)}); pass load_module_strict=False to load the rest")
+
+
+def _read_onebit(engine, path: Path, meta: dict, tag: str, record) -> dict:
+    world = engine.world
+    f = path / onebit_name(world.rank if meta["world_size"] == world.world_size else 0)
+    opt = engine.optimizer
+    who = type(opt).__name__
+    if not f.exists():
+        raise FileNotFoundError(
+            f"load_checkpoint: {f} missing: the checkpoint holds no {who} state (saved with another optimizer?); "
+            "pass load_optimizer_states=False to load the weights and start the optimizer afresh")
+    state = load_torch(f, record(f.name), tag, mapped=True)
+    _check_save_id(state, meta, f, tag)
+    sd = state["optimizer"]
+    groups = [len(g["params"]) for g in sd.get("param_groups", ())]
+    if sd.get("algorithm") != who or sd.get("numel") != opt.flat.numel or groups != [
+            len(r) for r in opt.flat.group_params]:
+        raise ValueError(f"load_checkpoint: {describe(f, tag)} holds {sd.get('algorithm')} state over "
+                         f"{sd.get('numel')} elements in groups of {groups}; the engine's {who} has "
+                         f"{opt.flat.numel} in {[len(r) for r in opt.flat.group_params]}")
+    return sd
+
+
+def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, dict | None]:
+    """The unit's full flat values (``layout.numel``) and its optimizer state (None: fresh);
+    parameters the checkpoint lacks keep the engine's current values."""
+    f, lay = u.flat, u.layout
+    parts = [by_name.get(n) for n in u.names]
+    if all(p is not None for p in parts):
+        values = torch.cat([p["values"] for p in parts])
+    else:
+        base = torch.zeros(lay.padded_numel, dtype=torch.float32)
+        if f.full is not None and not u.comms.policy.shard_parameters:
+            base.copy_(f.full.detach().float().cpu())
+        own = lay.owned(f.rank)
+        base[own] = (f.master if f.master is not None else f.shard).detach().float().cpu()
+        for p, slot in zip(parts, lay.slots, strict=True):
+            if p is not None:
+                base[slot.offset:slot.offset + slot.numel] = p["values"]
+        values = base[:lay.numel]
+    if not (u.trainable and with_optimizer) or any(p is None for p in parts):
+        return values, None
+    state = {}
+    for k, v in parts[0].items():
+        if k == "values":
+            continue
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and all(isinstance(p.get(k), torch.Tensor) for p in parts):
+            full = torch.zeros(lay.padded_numel, dtype=v.dtype)
+            full[:lay.numel] = torch.cat([p[k] for p in parts])
+            state[k] = full[lay.owned(f.rank)].clone().to(f.master.device)
+        else:
+            state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    return values, state
+
+
+# ---------------------------------------------------------------------- applying (every rank read everything)
+def _apply(engine, read: _Read) -> None:
+    opt = engine.optimizer
+    for u, values, state in read.units:
+        u.load_flat(values)
+        if u.trainable and read.load_optimizer and read.onebit is None:
+            if state:
+                opt.state[u.flat.master] = state
+            else:
+                opt.state.pop(u.flat.master, None)
+    if read.load_optimizer:
+        for g, saved in zip(opt.param_groups, read.extra["param_groups"], strict=True):
+            g.update(saved)
+    if read.load_scheduler and engine.lr_scheduler is not None and read.extra["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(read.extra["scheduler"])
+    buffers = dict(engine.module.named_buffers())
+    for n, b in read.extra["buffers"].items():
+        if n in buffers:
+            buffers[n].data.copy_(b)
+    if read.load_counters:
+        for c in COUNTERS:
+            if c in read.meta and hasattr(engine, c):
+                setattr(engine, c, int(read.meta[c]))
+    engine.zero_grad()
+    if read.onebit is not None:  # see [Note: 1-bit optimizer state]
+        opt.load_state_dict(read.onebit)
+        opt.flat.write_params()  # this rank's own weights (0/1 Adam's local steps)
+        for u in engine.units:
+            if u.trainable:
+                u.publish()
