@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 import zpp.zero as zz
@@ -89,9 +90,10 @@ def _reshard(t, root):
     return True
 
 
+@pytest.mark.timeout(600)  # two worlds of up to 290 s each (see tests.dist.world_timeout)
 def test_save_load_continue_and_reshard(tmp_path):
     root = str(tmp_path)
-    results = run_world(_save_and_continue, 4, ranks_per_node=2, args=(root,), timeout=300)
+    results = run_world(_save_and_continue, 4, ranks_per_node=2, args=(root,), timeout=290)
     for rank, res in enumerate(results):
         for name, (straight, resumed) in res.items():
             assert straight == resumed, (rank, name, straight, resumed)
@@ -99,7 +101,7 @@ def test_save_load_continue_and_reshard(tmp_path):
     assert meta["world_size"] == 4 and meta["global_steps"] == 3
     assert Path(root, "gpt-s3-gas1-fp32", "latest").read_text() == "global_step3"
     assert not list(Path(root).rglob(".*.tmp*"))  # every write was atomic and finished
-    assert run_world(_reshard, 2, args=(root,), timeout=300) == [True, True]
+    assert run_world(_reshard, 2, args=(root,), timeout=290) == [True, True]
     # the 2-rank re-save holds exactly what the 4-rank checkpoint held, by parameter
     src = Path(root, "gpt-s3-gas1-fp32", "global_step3")
     a = _collect(src, json.loads((src / "meta.json").read_text()))

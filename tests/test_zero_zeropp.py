@@ -10,6 +10,7 @@ at 200 steps: seed 0 +1.74%, seed 1 -0.12%, seed 2 -0.78%; with 256-element grou
 """
 import os
 
+import pytest
 import torch
 
 import zpp.zero as zz
@@ -91,6 +92,7 @@ def _convergence(t, steps, seeds):
     return out
 
 
+@pytest.mark.timeout(760)
 def test_zeropp_convergence_and_bytes():
     results = run_world(_convergence, 4, ranks_per_node=2, args=(STEPS, SEEDS), timeout=720)
     r = results[0]
