@@ -140,6 +140,17 @@ def test_add_cluster_parser_wiring():
     assert args.handler is cli.run and args.func is cli.cmd_down
 
 
+@pytest.mark.timeout(30)
+def test_cluster_help_is_for_users():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "zpp", "cluster", "--help"], capture_output=True, text=True,
+                         timeout=20, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "zpp cluster up --nodes 2 --rate 100mbit" in res.stdout and "Needs root and iproute2" in res.stdout
+    for developer_text in ("``", "COMMANDS", "add_arguments", "Wiring", "args.func"):
+        assert developer_text not in res.stdout, developer_text
+
+
 def test_launcher_refuses_foreign_namespaces(tmp_path):
     path = launch.write_launcher(str(tmp_path))
     for host in ("other", "zpp-sw", "zpp-n", "zpp-n1x", "zpp-n1;true", "zpp-n-1", "zpp-keepme-test"):
