@@ -4,9 +4,11 @@
     sudo python perf/cluster_bench.py --rates 100mbit --backends torch --sizes 16M:64M:4
 
 For each rate it brings up the emulated cluster (``zpp cluster up``), runs ``zpp bench --op
-all --compress all`` under ``zpp cluster run`` for each transport, and prints one table:
-per op, size and variant, the time, the link utilisation of the plain collective, and each
-compressed variant's speedup over the plain one of the same run. The targets of the comm
+all --compress all`` under ``zpp cluster run`` for each transport (``--ops`` narrows the
+ops), and prints one table: per op, size and variant, the time, the link utilisation of the
+plain collective, and each other variant's speedup over the plain one of the same run; the
+quantized reduce-scatters (qgZ) also over ``2hop``, the same two hops uncompressed, which
+separates what the hierarchy gains from what quantization gains. The targets of the comm
 issue are checked and printed. Everything lands in ``perf/results/cluster_bench.json``.
 
 Link utilisation = the bytes that must cross each node's link * 8 / time / rate. For
@@ -44,7 +46,7 @@ MIN_UTIL = 0.85
 
 def _bench(rate: str, backend: str, args, tmp: Path) -> dict:
     out = tmp / f"{backend}-{rate}.json"
-    cmd = [sys.executable, "-m", "zpp", "bench", "--op", "all", "--compress", "all",
+    cmd = [sys.executable, "-m", "zpp", "bench", "--op", args.ops, "--compress", "all",
            "--sizes", args.sizes, "--iters", str(args.iters), "--warmup", str(args.warmup),
            "--backend", backend, "--json", str(out)]
     rc = cluster.run(cmd, nodes=args.nodes, ranks_per_node=args.ranks_per_node, backend=backend,
@@ -65,14 +67,18 @@ def link_factor(op: str, nodes: int, ranks_per_node: int) -> float:
 def summarize(doc: dict, rate_bits: float, nodes: int = 2, ranks_per_node: int = 2) -> list[dict]:
     rows = doc["rows"]
     plain = {(r["op"], r["size"]): r for r in rows if r["compress"] == "none"}
+    two_hop = {(r["op"], r["size"]): r for r in rows if r["compress"] == "2hop"}
     out = []
     for r in rows:
         p = plain.get((r["op"], r["size"]))
+        h = two_hop.get((r["op"], r["size"]))
         util = (r["busbw"] * 1e9 * 8 / rate_bits * link_factor(r["op"], nodes, ranks_per_node)
                 if r["compress"] == "none" else None)
         speedup = p["time_us"] / r["time_us"] if p and r["compress"] != "none" else None
+        over_2hop = h["time_us"] / r["time_us"] if h and r["compress"] in ("int8", "int4") else None
         out.append({"op": r["op"], "compress": r["compress"], "size": r["size"],
                     "time_s": r["time_us"] / 1e6, "util": util, "speedup": speedup,
+                    "speedup_over_2hop": over_2hop,
                     "wrong": r["wrong"], "ratio": r["ratio"], "maxrelerr": r["maxrelerr"]})
     return out
 
@@ -97,6 +103,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="100mbit,1gbit")
     ap.add_argument("--backends", default="torch,mpi")
+    ap.add_argument("--ops", default="all", help="zpp bench --op: all, or a comma list")
     ap.add_argument("--sizes", default="16M:64M:4")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
@@ -114,12 +121,13 @@ def main(argv=None) -> int:
                 record["runs"].append({"rate": rate, "backend": backend, "summary": summary, "bench": doc})
                 print(f"\n## {backend} at {rate} ({args.nodes} nodes x {args.ranks_per_node} ranks)")
                 print(f"{'op':>14} {'variant':>7} {'size':>6} {'time(s)':>9} {'util':>5} "
-                      f"{'speedup':>8} {'ratio':>6} {'#wrong':>6} {'maxrelerr':>9}")
+                      f"{'speedup':>8} {'vs 2hop':>8} {'ratio':>6} {'#wrong':>6} {'maxrelerr':>9}")
                 for s in summary:
                     util = f"{s['util']:.2f}" if s["util"] is not None else "-"
                     sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+                    hop = f"{s['speedup_over_2hop']:.2f}x" if s["speedup_over_2hop"] is not None else "-"
                     print(f"{s['op']:>14} {s['compress']:>7} {s['size'] >> 20:>5}M "
-                          f"{s['time_s']:>9.3f} {util:>5} {sp:>8} {s['ratio'] or 0:>6.2f} "
+                          f"{s['time_s']:>9.3f} {util:>5} {sp:>8} {hop:>8} {s['ratio'] or 0:>6.2f} "
                           f"{s['wrong']:>6} {s['maxrelerr']:>9.2e}")
                 for line in check(summary, slow=rate_bits <= 2e8):
                     print("  " + line)

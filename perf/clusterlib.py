@@ -3,22 +3,22 @@ record of a run, the cluster brought up at each rate in turn and always taken do
 record written as JSON at the end."""
 from __future__ import annotations
 
-import datetime
 import json
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import runinfo  # noqa: E402
 from zpp import cluster  # noqa: E402
 
 
 def new_record(nodes: int, ranks_per_node: int, **fields) -> dict:
-    """A run's record: when, where, the cluster's shape, ``fields``, and an empty ``runs``."""
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": platform.node(), "nodes": nodes, "ranks_per_node": ranks_per_node, **fields, "runs": []}
+    """A run's record: when, where, what ran at which git revision (:func:`runinfo.provenance`),
+    the cluster's shape, ``fields``, and an empty ``runs``."""
+    return {**runinfo.provenance(), "nodes": nodes, "ranks_per_node": ranks_per_node, **fields, "runs": []}
 
 
 def at_each_rate(nodes: int, rates: str, body: Callable[[str, int], None]) -> None:

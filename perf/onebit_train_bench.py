@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import runinfo  # noqa: E402
 import trainlib  # noqa: E402
 
 # variant -> (optimizer type, its params less lr/freeze); None: torch DDP with torch AdamW
@@ -120,7 +121,7 @@ def _rank_main(t, args):
         _print(rows, args, t.world_size, per_node)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump({**runinfo.provenance(), "rows": rows}, f, indent=1)
     return rows
 
 

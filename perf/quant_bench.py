@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import runinfo  # noqa: E402
 
 from zpp.quant import cpu, reference  # noqa: E402
 
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
               f"{100 * r['frac_memcpy']:>8.1f}% {r['ref_gbps']:>9.3f} {r['speedup']:>7.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            memcpy_gbps=mem, memcpy_start_gbps=mem0, memcpy_end_gbps=mem1, threads=threads,
+            **runinfo.provenance(), memcpy_gbps=mem, memcpy_start_gbps=mem0, memcpy_end_gbps=mem1, threads=threads,
             loadavg_start=load0, loadavg_end=load1, torch=torch.__version__, group_size=GROUP,
             machine=platform.machine(), rows=rows), indent=2))
     return 0

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import runinfo  # noqa: E402
 import trainlib  # noqa: E402
 
 _ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": -1, "zero_quantized_gradients": True}
@@ -170,7 +171,7 @@ def _rank_main(t, args):
         print_rows(rows)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump({**runinfo.provenance(), "rows": rows}, f, indent=1)
 
 
 def parser():

@@ -40,7 +40,7 @@ def _variant(name: str, rate: str, args, tmp: Path) -> dict:
                      timeout=args.timeout)
     if rc != 0 or not out.exists():
         return {"variant": name, "error": f"exit code {rc}"}
-    return json.loads(out.read_text())[0]
+    return json.loads(out.read_text())["rows"][0]
 
 
 def _eth(row: dict) -> float | None:
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-head", type=int, default=8)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per variant (default 6)")
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--unit-min-numel", type=int, default=bp.get_default("unit_min_numel"))
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(HERE / "results" / "train_cluster.json"))

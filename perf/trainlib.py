@@ -2,11 +2,11 @@
 the model and data, rank launching, the modelled and the measured bytes per step.
 
 Measured bytes: inside ``zpp cluster`` every node is a network namespace whose only link to
-the other nodes is the interface ``zpp-eth``; its kernel counters (``/proc/net/dev``, seen
-per namespace) count what really crossed the node's link, frame headers included, whatever
-library sent it (torch DDP, FSDP2, DeepSpeed, zpp). ``/proc/net/snmp`` gives the TCP
-segments the node retransmitted: packets dropped at the shaped link are sent again and
-counted in the interface bytes again.
+the other nodes is the interface ``zpp-eth``; its kernel counters count what really crossed
+the node's link, frame headers included, whatever library sent it (torch DDP, FSDP2,
+DeepSpeed, zpp), and the TCP segments the node retransmitted (packets dropped at the shaped
+link are sent again and counted again): :mod:`zpp.cluster.linkstats`, which
+tests/test_cluster_wire.py checks against zpp's wire counters.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-NODE_IF = "zpp-eth"  # zpp.cluster.netns.NODE_IF, without importing the cluster package here
+from zpp.cluster.linkstats import read_link  # noqa: E402
 
 
 def add_model_args(p: argparse.ArgumentParser, *, n_layer: int, n_embd: int, block: int, batch: int,
@@ -66,20 +66,11 @@ def modelled_bytes(kind: str, psi: int, t) -> tuple[float, float]:
     return inter_peers * per_peer, intra_peers * per_peer
 
 
-def eth_counters(dev: str = NODE_IF) -> tuple[int, int, int] | None:
-    """(tx bytes, tx packets, TCP segments retransmitted) of ``dev`` and of TCP in this
-    process's network namespace, or None outside a namespace that has ``dev``."""
-    try:
-        with open("/proc/net/dev") as f:
-            rows = [rest.split() for name, _, rest in (line.partition(":") for line in f) if name.strip() == dev]
-        with open("/proc/net/snmp") as f:
-            tcp = [line.split()[1:] for line in f if line.startswith("Tcp:")]
-    except OSError:
-        return None
-    if not rows or len(tcp) < 2:
-        return None
-    retrans = int(dict(zip(tcp[0], tcp[1]))["RetransSegs"])
-    return int(rows[0][8]), int(rows[0][9]), retrans
+def eth_counters() -> tuple[int, int, int] | None:
+    """(tx bytes, tx packets, TCP segments retransmitted) of the node link in this process's
+    network namespace (:func:`zpp.cluster.linkstats.read_link`), or None outside ``zpp cluster``."""
+    c = read_link()
+    return None if c is None else (c.tx_bytes, c.tx_packets, c.retrans_segs)
 
 
 def node_eth_per_step(t, before, after, steps: int) -> dict:

@@ -45,6 +45,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 START_METHOD = os.environ.get("ZPP_TEST_START_METHOD", "forkserver")
+#: When pytest will kill the running test (monotonic seconds) and its timeout; set by
+#: tests/conftest.py for every test, None outside pytest. See :func:`world_timeout`.
+TEST_DEADLINE: float | None = None
+TEST_LIMIT: float | None = None
+#: A world must end this long before pytest's timeout, so its own diagnostics (which ranks
+#: hung, the launcher's output) reach the report instead of pytest's bare timeout.
+DIAGNOSTICS_S = 15.0
 ERROR_GRACE_S = 10.0  # after a rank fails, how long the others get to report before being killed
 EXIT_GRACE_S = 3.0  # after every rank reported, how long processes get to exit before being killed
 # Launcher variables of the test process itself must not leak into the ranks.
@@ -106,6 +113,26 @@ def assert_peers_saw_loss(results: list, timeout_s: float, sockets_close: bool) 
         assert f"rank {rank}" in msg, msg
 
 
+def world_timeout(timeout: float) -> float:
+    """``timeout`` fitted inside the running test's pytest timeout (see [Note: nested timeouts]).
+
+    [Note: nested timeouts]
+    A world's hard timeout must end before pytest's timeout of the test, with
+    :data:`DIAGNOSTICS_S` to spare, or pytest kills the test first and the world's report
+    (which ranks hung, the launcher's output) never shows. A world whose ``timeout`` cannot
+    fit the test's limit at all is the test's mistake: ``ValueError`` naming both. Several
+    worlds in one test share the limit: a later world gets at most what is left of it.
+    """
+    if TEST_LIMIT is None or TEST_DEADLINE is None:
+        return timeout
+    if timeout > TEST_LIMIT - DIAGNOSTICS_S:
+        raise ValueError(
+            f"run_world: timeout={timeout:g} s does not fit the test's pytest timeout of {TEST_LIMIT:g} s "
+            f"less {DIAGNOSTICS_S:g} s for the world's diagnostics: raise @pytest.mark.timeout or lower it"
+        )
+    return max(1.0, min(timeout, TEST_DEADLINE - time.monotonic() - DIAGNOSTICS_S))
+
+
 def run_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -125,7 +152,8 @@ def run_world(
         backend: "torch" or "mpi" (the launcher and the registry name).
         ranks_per_node: exported as ZPP_RANKS_PER_NODE (torch: also LOCAL_RANK /
             LOCAL_WORLD_SIZE); None for one node.
-        timeout: hard limit in seconds for the whole world, start-up included.
+        timeout: hard limit in seconds for the whole world, start-up included; it must fit
+            inside the test's pytest timeout (see :func:`world_timeout`).
         env: extra environment variables for every rank.
         transport_kwargs: keyword arguments for ``get_transport`` (e.g. ``timeout_s``).
         return_exceptions: put each failing rank's exception in its slot instead of raising.
@@ -134,6 +162,7 @@ def run_world(
     if world_size < 1 or backend not in ("torch", "mpi"):
         raise ValueError(f"run_world: {world_size=} must be >= 1 and {backend=} 'torch' or 'mpi'")
     target = _target_of(fn)
+    timeout = world_timeout(timeout)
     rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     if ranks_per_node is not None:
         rank_env["ZPP_RANKS_PER_NODE"] = str(ranks_per_node)

@@ -1,6 +1,6 @@
 """The 1-bit error-feedback all-reduce of zpp.comm.onebit, written again in plain torch with
 all W ranks in one process: the reference the collective and the 1-bit optimizers are tested
-against.
+against; and :class:`Lamb`, plain per-tensor LAMB, the uncompressed reference of 1-bit LAMB.
 
     sim = OneBitSim(n, W)
     out = sim(torch.stack([x_rank0, x_rank1]))   # the mean every rank receives
@@ -51,3 +51,30 @@ class OneBitSim:
             self.se[j, valid:] = 0
             out[j * c:(j + 1) * c] = sa * ss
         return out[:n]
+
+
+class Lamb:
+    """LAMB per tensor in plain torch: Adam moments with bias correction, ``u = m_hat /
+    (sqrt(v_hat) + eps) + wd x``, trust ratio ``||x|| / ||u||`` clipped to [min, max] (1 if
+    either is 0), and DeepSpeed's running average of the ratios (1-bit LAMB's frozen one)."""
+
+    def __init__(self, xs, lr, betas, eps, weight_decay, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, **_):
+        self.xs, self.lr, self.betas, self.eps, self.wd = xs, lr, betas, eps, weight_decay
+        self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
+        self.m = [torch.zeros_like(x) for x in xs]
+        self.v = [torch.zeros_like(x) for x in xs]
+        self.frozen = [0.0] * len(xs)
+        self.t = 0
+
+    def step(self, grads):
+        self.t += 1
+        b1, b2 = self.betas
+        for i, (x, g) in enumerate(zip(self.xs, grads)):
+            self.m[i] = b1 * self.m[i] + (1 - b1) * g
+            self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
+            u = (self.m[i] / (1 - b1 ** self.t)) / ((self.v[i] / (1 - b2 ** self.t)).sqrt() + self.eps) + self.wd * x
+            wn, un = float(x.norm()), float(u.norm())
+            c = min(max(wn / un, self.min_coeff), self.max_coeff) if wn > 0 and un > 0 else 1.0
+            if c != 1.0:
+                self.frozen[i] = self.coeff_beta * self.frozen[i] + (1 - self.coeff_beta) * c
+            x -= self.lr * c * u

@@ -75,6 +75,9 @@ def _check_table(stdout: str, world: int, nodes: int) -> dict[str, list[dict]]:
     assert any(f"world {world} ranks = {nodes} nodes x {world // nodes} ranks per node" in h for h in header)
     assert any(re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d", h) for h in header), header  # the date
     assert any("backend" in h and "dtype float32" in h for h in header)
+    # on one node, the header says what ratio compares and how to emulate nodes
+    assert any(h.startswith("one node: nothing crosses a node") and "ZPP_RANKS_PER_NODE" in h
+               for h in header) == (nodes == 1), header
     assert any("size(B)" in line and "maxrelerr" in line for line in stdout.splitlines() if line.startswith("#"))
     variants = [(op, r["variant"]) for op in rows for r in rows[op]]
     for op in rows:
@@ -113,6 +116,7 @@ def test_bench_two_ranks_table_json_and_plot(tmp_path):
     rows = _check_table(res.stdout, world=2, nodes=1)
     assert list(rows) == list(OPS)
     assert [r["variant"] for r in rows["all_gather"][:3]] == ["none", "int8", "int4"]
+    assert [r["variant"] for r in rows["reduce_scatter"][:4]] == ["none", "2hop", "int8", "int4"]
     assert {r["size"] for r in rows["all_to_all"]} == {1 << k for k in range(10, 17)}
     # compression on the wire, measured by the counters
     assert all(3.9 < x <= 4.0 for x in _ratio(rows["all_gather"], "int8", 64 << 10))
@@ -156,6 +160,10 @@ def test_bench_two_emulated_nodes():
                 assert 0 < r["inter"] < plain[r["size"]], (op, r)
     assert all(7.8 < x <= 8.0 for x in _ratio(rows["reduce_scatter"], "int4", 64 << 10))
     assert all(3.9 < x <= 4.0 for x in _ratio(rows["all_gather"], "int8", 64 << 10))
+    # 2hop: qgZ's two hops uncompressed send 1/R of the flat reduce-scatter across nodes
+    plain = {r["size"]: r["inter"] for r in rows["reduce_scatter"] if r["variant"] == "none"}
+    two_hop = {r["size"]: r["inter"] for r in rows["reduce_scatter"] if r["variant"] == "2hop"}
+    assert sorted(two_hop) == sorted(plain) and all(2 * two_hop[s] == plain[s] for s in plain), (two_hop, plain)
 
 
 @needs_mpi[0]
@@ -177,6 +185,7 @@ def test_bench_under_mpiexec():
     (["--sizes", "abc"], ["--sizes", "'abc'"]),
     (["--compress", "int3"], ["--compress", "'int3'"]),
     (["--nprocs", "3", "--ranks-per-node", "2"], ["--nprocs 3", "--ranks-per-node 2"]),
+    (["-n", "3", "--ranks-per-node", "2"], ["--nprocs 3", "--ranks-per-node 2"]),  # mpirun's -n
     (["--compress", "int4", "--op", "all_to_all"], ["nothing to run", "all_to_all/int4"]),
     (["--iters", "0"], ["--iters", "'0'"]),
 ])

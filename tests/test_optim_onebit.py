@@ -3,7 +3,7 @@
 Every world runs all its checks at once (spawning ranks is the expensive part):
 
 * warm-up steps equal ``torch.optim.AdamW`` (Adam with decoupled weight decay) or the
-  per-tensor LAMB reference below, on the mean gradient;
+  per-tensor LAMB reference (tests/onebit_sim.py), on the mean gradient;
 * every later step equals a plain-torch simulation of the whole algorithm with all ranks in
   one process (tests/onebit_sim.py is the 1-bit all-reduce of zpp.comm.onebit, written again);
 * replicas stay bit-identical; a checkpoint taken in the compression stage resumes exactly;
@@ -21,7 +21,7 @@ import torch
 
 import zpp.optim as zo
 from tests.dist import needs_mpi, run_world
-from tests.onebit_sim import OneBitSim
+from tests.onebit_sim import Lamb, OneBitSim
 
 SHAPES = [(7, 5), (13,), (3, 4, 2), (1,), (40, 3)]  # 193 elements, none a multiple of 8
 HP = dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
@@ -66,33 +66,6 @@ def _gather(t, x):
 def _onebit_mean(n, W):
     """The optimizers' 1-bit mean over W ranks: OneBitSim, or nothing sent with one rank."""
     return (lambda xs: xs[0].clone()) if W == 1 else OneBitSim(n, W)
-
-
-class _Lamb:
-    """LAMB per tensor in plain torch: Adam moments with bias correction, ``u = m_hat /
-    (sqrt(v_hat) + eps) + wd x``, trust ratio ``||x|| / ||u||`` clipped to [min, max] (1 if
-    either is 0), and DeepSpeed's running average of the ratios (1-bit LAMB's frozen one)."""
-
-    def __init__(self, xs, lr, betas, eps, weight_decay, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, **_):
-        self.xs, self.lr, self.betas, self.eps, self.wd = xs, lr, betas, eps, weight_decay
-        self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
-        self.m = [torch.zeros_like(x) for x in xs]
-        self.v = [torch.zeros_like(x) for x in xs]
-        self.frozen = [0.0] * len(xs)
-        self.t = 0
-
-    def step(self, grads):
-        self.t += 1
-        b1, b2 = self.betas
-        for i, (x, g) in enumerate(zip(self.xs, grads)):
-            self.m[i] = b1 * self.m[i] + (1 - b1) * g
-            self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
-            u = (self.m[i] / (1 - b1 ** self.t)) / ((self.v[i] / (1 - b2 ** self.t)).sqrt() + self.eps) + self.wd * x
-            wn, un = float(x.norm()), float(u.norm())
-            c = min(max(wn / un, self.min_coeff), self.max_coeff) if wn > 0 and un > 0 else 1.0
-            if c != 1.0:
-                self.frozen[i] = self.coeff_beta * self.frozen[i] + (1 - self.coeff_beta) * c
-            x -= self.lr * c * u
 
 
 def _sim_onebit_adam(W, steps, lr, betas, eps, weight_decay, freeze_step):
@@ -166,7 +139,7 @@ def _sim_onebit_lamb(W, steps, lr, betas, eps, weight_decay, freeze_step, factor
                      factor_threshold, **lamb_kw):
     b1, b2 = betas
     xs = [p.detach().clone() for p in _init_params()]
-    ref = _Lamb(xs, lr, betas, eps, weight_decay, **lamb_kw)
+    ref = Lamb(xs, lr, betas, eps, weight_decay, **lamb_kw)
     sizes = [x.numel() for x in xs]
     ob, out = _onebit_mean(sum(sizes), W), []
     for t in range(1, steps + 1):
@@ -480,7 +453,7 @@ def _train(t, kind, lr, extra):
     if kind == "adam":
         opt = torch.optim.Adam(params, lr=lr)
     elif kind == "lamb":
-        opt = _Lamb([p.data for p in params], lr, (0.9, 0.999), 1e-8, 0.0)
+        opt = Lamb([p.data for p in params], lr, (0.9, 0.999), 1e-8, 0.0)
     else:
         opt = zo.build(kind, params, lr=lr, transport=t, **extra)
     for step in range(CONV_STEPS):

@@ -1,12 +1,15 @@
 """Sharded checkpoints: save -> load -> continue gives the losses of not stopping, a 4-rank
-(2 nodes x 2) checkpoint reshards onto 2 ranks exactly (weights and Adam state), and
-DeepSpeed's arguments (client_state, save_latest, exclude_frozen_parameters, the load flags,
-the return values) do what DeepSpeed's do. Faults: tests/test_faults_checkpoint.py."""
+(2 nodes x 2) checkpoint reshards onto 2 ranks exactly (weights and Adam state) and trains
+on there as plain torch AdamW from the saved state does, and DeepSpeed's arguments
+(client_state, save_latest, exclude_frozen_parameters, the load flags, the return values) do
+what DeepSpeed's do. Faults: tests/test_faults_checkpoint.py."""
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -76,10 +79,15 @@ def _save_and_continue(t, root):
     return out
 
 
+RESUMED_STEPS = range(3, 6)
+
+
 def _reshard(t, root):
-    """Load the 4-rank stage-3 checkpoint on 2 ranks (stage 3 and stage 1), save it again."""
+    """Load the 4-rank stage-3 checkpoint on 2 ranks (stage 3 and stage 1), save it again,
+    train on; per stage, this rank's losses and the weights at the end."""
     name = "gpt-s3-gas1-fp32"
     want = torch.load(f"{root}/{name}/consolidated.pt")
+    out = {}
     for stage in (3, 1):
         e, *_ = zz.initialize(model=_model("gpt", 7), config=_cfg(stage), transport=t)
         e.load_checkpoint(f"{root}/{name}")
@@ -88,15 +96,57 @@ def _reshard(t, root):
         for k in want:
             assert torch.equal(got[k], want[k]), k
         e.save_checkpoint(f"{root}/resharded-s{stage}")
-        losses = _train(e, "gpt", t.rank, range(3, 5))
-        assert all(l == l for l in losses)  # noqa: E741 - finite, not NaN
+        losses = _train(e, "gpt", t.rank, RESUMED_STEPS)
+        out[stage] = (losses, e.consolidated_state_dict())
         e.close()
-    return True
+    return out
 
 
+def _lr(step):
+    """_cfg's WarmupDecayLR written out (DeepSpeed's formula): log warm-up over 3 steps to
+    5e-3, then linear decay to 0 at step 20."""
+    return 5e-3 * (math.log(step + 1) / math.log(3) if step < 3 else (20 - step) / 17)
+
+
+def _reference_continuation(root, name, world):
+    """What training on from the checkpoint must give, in plain torch in this process: the
+    checkpoint's weights (the 4-rank run's consolidated state) and Adam moments and step,
+    ``world`` ranks' batches, the mean of their gradients, ``clip_grad_norm_(1.0)`` and
+    ``torch.optim.AdamW`` (DeepSpeed's "Adam" with weight decay) at :func:`_lr`. Returns
+    each rank's losses and the final state dict."""
+    model = _model("gpt", 0)
+    model.load_state_dict(torch.load(f"{root}/{name}/consolidated.pt"))
+    saved = read_parameters(Path(root, name, "global_step3"))
+    params = dict(model.named_parameters())
+    assert sorted(saved) == sorted(params), (sorted(saved), sorted(params))
+    opt = torch.optim.AdamW(list(params.values()), lr=_lr(3), weight_decay=0.01, foreach=False)
+    for n, p in params.items():
+        assert torch.equal(saved[n]["values"].view_as(p), p.detach()), n
+        opt.state[p] = {"step": torch.tensor(float(saved[n]["step"])),
+                        "exp_avg": saved[n]["exp_avg"].view_as(p).clone(),
+                        "exp_avg_sq": saved[n]["exp_avg_sq"].view_as(p).clone()}
+    losses = [[] for _ in range(world)]
+    for step in RESUMED_STEPS:
+        grads = []
+        for rank in range(world):
+            model.zero_grad()
+            loss = model(*_batch("gpt", rank, 10 * step))
+            loss.backward()
+            losses[rank].append(loss.item())
+            grads.append([p.grad.clone() for p in params.values()])
+        for i, p in enumerate(params.values()):
+            p.grad = sum(g[i] for g in grads) / world
+        torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step)
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(600)  # two worlds of up to 290 s each (see tests.dist.world_timeout)
 def test_save_load_continue_and_reshard(tmp_path):
     root = str(tmp_path)
-    results = run_world(_save_and_continue, 4, ranks_per_node=2, args=(root,), timeout=300)
+    results = run_world(_save_and_continue, 4, ranks_per_node=2, args=(root,), timeout=290)
     for rank, res in enumerate(results):
         for name, (straight, resumed) in res.items():
             assert straight == resumed, (rank, name, straight, resumed)
@@ -104,7 +154,18 @@ def test_save_load_continue_and_reshard(tmp_path):
     assert meta["world_size"] == 4 and meta["global_steps"] == 3
     assert Path(root, "gpt-s3-gas1-fp32", "latest").read_text() == "global_step3"
     assert not list(Path(root).rglob(".*.tmp*")) and not list(Path(root).rglob(".zpp-*"))  # nothing left behind
-    assert run_world(_reshard, 2, args=(root,), timeout=300) == [True, True]
+    resumed = run_world(_reshard, 2, args=(root,), timeout=290)
+    # training on after the reshard is the plain-torch continuation of the saved state
+    ref_losses, ref_state = _reference_continuation(root, "gpt-s3-gas1-fp32", 2)
+    for stage in (3, 1):
+        for rank in range(2):
+            losses, state = resumed[rank][stage]
+            torch.testing.assert_close(losses, ref_losses[rank], rtol=2e-5, atol=0,
+                                       msg=lambda m, s=stage, r=rank: f"stage {s} rank {r} losses: {m}")
+            assert list(state) == list(ref_state)
+            for k in ref_state:
+                torch.testing.assert_close(state[k], ref_state[k], rtol=0, atol=2e-5,
+                                           msg=lambda m, s=stage, k=k: f"stage {s} {k}: {m}")
     # the 2-rank re-save holds exactly what the 4-rank checkpoint held, by parameter
     a = read_parameters(Path(root, "gpt-s3-gas1-fp32", "global_step3"))
     for stage in (3, 1):

@@ -42,7 +42,7 @@ def _engine_world(t):
     return out
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(630)  # two worlds of up to 300 s each
 def test_engine_on_mpi_matches_torch():
     mpi = run_world(_engine_world, 4, backend="mpi", ranks_per_node=2, timeout=300)
     ref = run_world(_engine_world, 4, backend="torch", ranks_per_node=2, timeout=300)

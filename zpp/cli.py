@@ -6,7 +6,8 @@
     python -m zpp bench ...    the same without the installed script
 
 Each subcommand is a module with ``HELP``, ``add_arguments(parser)`` and
-``run(args, argv) -> exit code``, named in ``COMMANDS``; adding one is one line there.
+``run(args, argv) -> exit code``, named in ``COMMANDS``; adding one is one line there. Its
+``--help`` text is the module's ``DESCRIPTION`` (user help), else its docstring.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+        p = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.__doc__),
                            formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(handler=module.run, parser=p)

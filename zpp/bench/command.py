@@ -2,7 +2,12 @@
 
     zpp bench                                   # 4 local ranks = 2 emulated nodes x 2, gloo
     zpp bench --op all_gather --compress int8,int4 --sizes 64K:64M --json ag.json
+    zpp bench -n 8 --ranks-per-node 4           # 8 local ranks = 2 emulated nodes x 4
     mpiexec -n 8 zpp bench --ranks-per-node 4   # MPI; torchrun --nproc-per-node 4 -m zpp bench
+
+Under a launcher the node layout is the launcher's (one node of all ranks for a plain
+``mpiexec -n 4`` or ``torchrun --nproc-per-node 4``) unless --ranks-per-node or
+ZPP_RANKS_PER_NODE says otherwise.
 
 Rank 0 prints the table on stdout (and nothing else there); notes and progress go to
 stderr. Exit status: 0, 1 when a rank failed or a value was out of its error bound,
@@ -42,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", type=choice_list(OPS, "op"), default="all",
                    help=f"{'|'.join(OPS)}|all, or a comma list (default: all)")
     p.add_argument("--compress", type=choice_list(COMPRESSIONS, "compression"), default="all",
-                   help="none|int8|int4|1bit|all, or a comma list; those that do not apply to an op "
-                        "are skipped (default: all)")
+                   help="none|2hop|int8|int4|1bit|all, or a comma list; those that do not apply to an op "
+                        "are skipped; 2hop is reduce_scatter's two hops (intra-node, then inter-node) "
+                        "uncompressed, qgZ's baseline (default: all)")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="default: mpi under mpiexec/mpirun, else torch (gloo when spawning)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
@@ -54,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=integer(1), default=20,
                    help="timed calls per size, fewer above 1 MiB (default: 20)")
     p.add_argument("--json", metavar="FILE", help="write every row and the header as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size (needs matplotlib)")
-    p.add_argument("--nprocs", type=integer(1), default=None,
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw busbw against size (needs the plot extra: pip install 'zpp[plot]')")
+    p.add_argument("-n", "--nprocs", type=integer(1), default=None,
                    help=f"local ranks to spawn when started alone (default: {_DEFAULT_NPROCS})")
     p.add_argument("--ranks-per-node", type=integer(1), default=None,
                    help=f"ranks per (emulated) node; spawning: default {_DEFAULT_RANKS_PER_NODE} "

@@ -13,14 +13,15 @@ import re
 from typing import Literal
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-COMPRESSIONS = ("none", "int8", "int4", "1bit")
+COMPRESSIONS = ("none", "2hop", "int8", "int4", "1bit")
 BACKENDS = ("torch", "mpi")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_SIZES = "1K:4M"
 #: The compressions each op has (:mod:`zpp.bench.variants` implements exactly these).
 VARIANT_NAMES: dict[str, tuple[str, ...]] = {
     "all_gather": ("none", "int8", "int4"),
-    "reduce_scatter": ("none", "int8", "int4"),
+    # 2hop: qgZ's two hops uncompressed (the baseline that separates hierarchy from quantization)
+    "reduce_scatter": ("none", "2hop", "int8", "int4"),
     "all_reduce": ("none", "1bit"),
     "all_to_all": ("none",),
 }

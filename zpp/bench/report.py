@@ -56,11 +56,14 @@ class Table:
             f"ops {' '.join(ops)}; variants {variants}",
             "time: slowest rank's mean per call; busbw = algbw x (2(n-1)/n all_reduce, (n-1)/n others)",
             "inter(B): bytes sent to other nodes per call (largest rank); ratio: bytes the plain "
-            "collective sends / bytes sent",
+            "collective sends / bytes this variant sends, intra- and inter-node together",
             "#wrong: elements outside the variant's error bound, all ranks (1bit: non-finite or "
             "not rank 0's); maxrelerr: max|y-exact|/max|exact|",
         ):
             self._line(f"# {text}")
+        if meta["nodes"] == 1:
+            self._line("# one node: nothing crosses a node (inter(B) 0), so ratio compares the bytes sent inside "
+                       "the node; --ranks-per-node or ZPP_RANKS_PER_NODE sets the emulated nodes")
 
     def op(self, op: str) -> None:
         self._close_op()

@@ -4,7 +4,7 @@ collective it is checked against and the error bound that decides ``#wrong``.
 | op | none | int8 / int4 | 1bit |
 |---|---|---|---|
 | all_gather | ``Transport.all_gather`` | ``quantized_all_gather`` (qwZ) | |
-| reduce_scatter | ``Transport.reduce_scatter`` (mean) | ``quantized_reduce_scatter`` (qgZ) | |
+| reduce_scatter | ``Transport.reduce_scatter`` (mean); 2hop: ``hierarchical_reduce_scatter`` | ``quantized_reduce_scatter`` (qgZ) | |
 | all_reduce | ``Transport.all_reduce`` (mean) | | ``OneBitAllReduce`` |
 | all_to_all | ``Transport.all_to_all`` | | |
 
@@ -23,8 +23,9 @@ and Inf are always outside); the table sums the ranks. With ``eps`` the machine 
 the benchmark dtype and ``step = 2**bits - 2``:
 
 * all_gather and all_to_all, none: any difference from the exact result.
-* reduce_scatter and all_reduce, none: ``eps * (sum_r |x_r| + |exact|)``, the rounding of a
-  ``world``-term sum in the benchmark dtype (backends add in any order).
+* reduce_scatter and all_reduce, none (and reduce_scatter 2hop, which sums in fp32 and rounds
+  once): ``eps * (sum_r |x_r| + |exact|)``, the rounding of a ``world``-term sum in the
+  benchmark dtype (backends add in any order).
 * all_gather, int8/int4: ``absmax(g) / step``, ``g`` the element's quantization group in the
   source rank's shard (half the quantization step of a symmetric code).
 * reduce_scatter, int8/int4 (qgZ), per group ``g`` of the rank's slice:
@@ -50,7 +51,7 @@ from typing import NamedTuple
 import torch
 
 from zpp.bench.config import VARIANT_NAMES, applicable
-from zpp.comm.collectives import quantized_all_gather, quantized_reduce_scatter
+from zpp.comm.collectives import hierarchical_reduce_scatter, quantized_all_gather, quantized_reduce_scatter
 from zpp.comm.onebit import OneBitAllReduce
 from zpp.comm.transport import Transport
 
@@ -198,6 +199,8 @@ def _reduce_scatter(env: Env, count: int, v: Variant) -> Case:
         if v.bits:
             quantized_reduce_scatter(dst, inp, topology=env.topology, bits=v.bits,
                                      group_size=env.group_size)
+        elif v.compress == "2hop":
+            hierarchical_reduce_scatter(dst, inp, topology=env.topology)
         else:
             t.reduce_scatter(dst, inp, op="mean")
 
@@ -309,6 +312,8 @@ VARIANTS: dict[tuple[str, str], Variant] = {
                 bound=_QWZ, bits=4),
         Variant(op="reduce_scatter", compress="none", counter="reduce_scatter", build=_reduce_scatter,
                 bound=_SUM),
+        Variant(op="reduce_scatter", compress="2hop", counter="hierarchical_reduce_scatter",
+                build=_reduce_scatter, bound=_SUM),
         Variant(op="reduce_scatter", compress="int8", counter="quantized_reduce_scatter",
                 build=_reduce_scatter, bound=_QGZ, bits=8),
         Variant(op="reduce_scatter", compress="int4", counter="quantized_reduce_scatter",

@@ -204,10 +204,23 @@ def _fill(cluster: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 #: one-line help, for ``zpp.cli``'s COMMANDS convention (``"cluster": "zpp.cluster.cli"``)
 HELP = "emulate a slow multi-node cluster with network namespaces"
+#: ``zpp cluster --help``'s text
+DESCRIPTION = """\
+Emulate a slow multi-node cluster on this machine: each node is a network namespace behind
+a link shaped with tbf (both directions), so collectives between nodes cross a slow link
+while ranks of one node talk over loopback. Needs root and iproute2.
+
+  zpp cluster up --nodes 2 --rate 100mbit
+  zpp cluster run --nodes 2 --ranks-per-node 2 --backend torch -- zpp bench --sizes 1M:4M
+  zpp cluster status
+  zpp cluster down
+
+`zpp cluster COMMAND --help` describes each command."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``zpp.cli`` convention: fill an existing ``cluster`` parser with up/status/down/run."""
+    parser.epilog = _EPILOG
     _fill(parser)
 
 
