@@ -101,14 +101,12 @@ def _check(results, variants):
 
 @pytest.mark.parametrize("names", [HANDWRITTEN, HF], ids=["handwritten", "hf"])
 def test_stage3_two_ranks(names):
-    pytest.importorskip("transformers") if names is HF else None
     variants = ["s3", "qwz"]
     _check(run_world(_train_all, 2, args=(names, variants), timeout=240), variants)
 
 
 @pytest.mark.parametrize("names", [HANDWRITTEN, HF], ids=["handwritten", "hf"])
 def test_stage3_and_zeropp_two_nodes(names):
-    pytest.importorskip("transformers") if names is HF else None
     variants = ["s3", "hpz", "qwz", "qgz"]
     _check(run_world(_train_all, 4, ranks_per_node=2, args=(names, variants), timeout=280), variants)
 
@@ -175,7 +173,6 @@ def test_block_detection_and_unit_classes():
     assert block_classes(mlp) == {torch.nn.Linear}
     with pytest.raises(ValueError, match=r"\['Block'\] match no module.*TransformerEncoderLayer"):
         unit_roots(model, from_deepspeed({"zpp": {"unit_classes": ["Block"]}}))
-    pytest.importorskip("transformers")
     gpt, *_ = models.gpt2(0)
     assert {c.__name__ for c in block_classes(gpt)} == {"GPT2Block"}
 
@@ -209,7 +206,6 @@ def _persistent(t):
 
 
 def test_param_persistence_threshold():
-    pytest.importorskip("transformers")
     for r in run_world(_persistent, 2, timeout=200):
         for threshold, (rel, n_small, n_units, _) in r.items():
             assert rel <= RTOL, (threshold, rel)
