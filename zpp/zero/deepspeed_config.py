@@ -45,8 +45,8 @@ from zpp.zero.checks import (
 )
 from zpp.zero.config import (
     ENGINE_PENDING, OPTIMIZER_PARAM_CHECKS, OPTIMIZER_PARAMS, SCHEDULER_PARAM_CHECKS, SCHEDULERS,
-    ActivationCheckpointingConfig, Fp16Config, OffloadConfig, OptimizerConfig, SchedulerConfig, TrainConfig,
-    ZeroConfig, ZppConfig,
+    ActivationCheckpointingConfig, Fp16Config, OffloadConfig, OptimizerConfig, OuterConfig, SchedulerConfig,
+    TrainConfig, ZeroConfig, ZppConfig,
 )
 
 __all__ = ["KEYS", "DsKey", "from_args", "from_deepspeed", "keys_markdown", "translate"]
@@ -663,6 +663,10 @@ def keys_markdown() -> str:
     for f in dataclasses.fields(ZppConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append(f"| `zpp.{f.name}` | `{json.dumps(default)}` |")
+    out += ["", "**The hierarchical mode** (`\"zpp\": {\"outer\": {...}}`, `OuterConfig`; `null` for the "
+            "method's default)", "", "| key | default |", "|---|---|"]
+    for f in dataclasses.fields(OuterConfig):
+        out.append(f"| `zpp.outer.{f.name}` | `{json.dumps(f.default)}` |")
     aliases = ", ".join(f"`{a}` = `{k}`" for a, k in {**TOP_ALIASES, **{
         f"{_ZERO}.{a}": f"{_ZERO}.{k}" for a, k in ZERO_ALIASES.items()}}.items())
     out += ["", f"Aliases: {aliases}.", ""]

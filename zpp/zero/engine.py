@@ -13,6 +13,7 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 :mod:`~zpp.zero.gradnorm`   gradient norm and clipping
 :mod:`~zpp.zero.checkpoint` sharded, reshardable checkpoints; the consolidated state dict
 :mod:`~zpp.zero.memory`     model-state bytes per rank
+:mod:`~zpp.zero.outer`      the hierarchical mode (``zpp.outer``): DiLoCo across nodes
 ==========================  =============================================================
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from zpp.zero.gradnorm import clip_grads
 from zpp.zero.hooks import EngineHooks
 from zpp.zero.memory import model_state_bytes
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
+from zpp.zero.outer import build_outer, node_world
 from zpp.zero.param_groups import ParamGroups
 from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
@@ -53,7 +55,10 @@ class ZeroEngine(torch.nn.Module):
         module: the wrapped model.
         config: the :class:`TrainConfig` in force (batch sizes resolved for the world).
         policy: the :class:`ShardingPolicy` derived from it.
-        world: the transport over every rank.
+        world: the data-parallel transport ZeRO shards over: every rank, or the ranks of this
+            rank's node in the hierarchical mode (``zpp.outer``).
+        job_world: the transport over every rank of the job (data, checkpoints, batch sizes).
+        outer: the hierarchical mode's :class:`~zpp.zero.outer.OuterSync`, else None.
         comms: what the units share (:class:`UnitComms`: policy, gathers, reduction).
         units: the communication units, in flat order.
         optimizer: the torch optimizer over the fp32 master shards (one group per parameter
@@ -70,7 +75,7 @@ class ZeroEngine(torch.nn.Module):
         super().__init__()
         self.module = module
         self.config = config = config.with_world(world.world_size)
-        self.world = world
+        self.job_world = self.world = world
         self.policy = policy = ShardingPolicy.from_config(config)
         check_same_config(world, config)
         if config.zpp.check_metadata is not None:
@@ -94,6 +99,7 @@ class ZeroEngine(torch.nn.Module):
                 log.warning("zpp.initialize: %d parameters differed between ranks (first: %r); rank 0's were "
                             "broadcast to every rank (seed the model identically to avoid this, or set "
                             "zpp.parameter_mismatch='raise')", len(synced), synced[0])
+        world = self.world = node_world(world, config)  # zpp.outer: ZeRO inside the node
         comms = Comms(world=world, topology=self._topology(), config=config)
         self.comms = UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy),
                                reduce=build_reduce(comms, policy))
@@ -108,6 +114,7 @@ class ZeroEngine(torch.nn.Module):
         try:
             self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
             self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
+            self.outer = build_outer(self)
         except Exception:
             self.close()  # the model is whole and free again (every rank fails alike here)
             raise
@@ -169,28 +176,28 @@ class ZeroEngine(torch.nn.Module):
             raise ValueError("zpp.initialize: training_data= needs train_micro_batch_size_per_gpu (or "
                              "train_batch_size) in the config")
         sampler = data_sampler if data_sampler is not None else DistributedSampler(
-            dataset, num_replicas=self.world.world_size, rank=self.world.rank)
+            dataset, num_replicas=self.job_world.world_size, rank=self.job_world.rank)
         return DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate_fn,
                           num_workers=num_local_io_workers or 0,
                           pin_memory=pin_memory and torch.cuda.is_available())
 
     @property
     def global_rank(self) -> int:
-        return self.world.rank
+        return self.job_world.rank
 
     @property
     def world_size(self) -> int:
-        return self.world.world_size
+        return self.job_world.world_size
 
     @property
     def dp_world_size(self) -> int:
-        return self.world.world_size
+        return self.job_world.world_size
 
     @property
     def local_rank(self) -> int:
         from zpp.comm.topology import Layout
 
-        return Layout.from_node_keys(self.world.rank, self.world.nodes).local_rank
+        return Layout.from_node_keys(self.job_world.rank, self.job_world.nodes).local_rank
 
     @property
     def device(self) -> torch.device:
@@ -259,7 +266,7 @@ class ZeroEngine(torch.nn.Module):
         advance the schedule."""
         self.micro_steps += 1
         if self.config.train_micro_batch_size_per_gpu is not None:
-            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.world.world_size
+            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.job_world.world_size
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return
         trained = [u for u in self.units if u.trainable]
@@ -276,6 +283,8 @@ class ZeroEngine(torch.nn.Module):
             for u in trained:
                 u.stage_grad()
         self.optimizer.step()
+        if self.outer is not None:  # an applied inner step: the outer sync (zpp.zero.outer) may land or start
+            self.outer.after_inner_step()
         for v in views:
             v.param.grad = None
         for u in trained:
@@ -319,7 +328,7 @@ class ZeroEngine(torch.nn.Module):
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now; see :func:`zpp.zero.memory.model_state_bytes`."""
-        return model_state_bytes(self.units, self.optimizer)
+        return model_state_bytes(self.units, self.optimizer, self.outer)
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
                         client_state: dict = {},  # noqa: B006 - DeepSpeed's signature; never mutated
@@ -340,7 +349,10 @@ class ZeroEngine(torch.nn.Module):
     def close(self) -> None:
         """Remove every hook the engine installed and, with sharded parameters, gather them
         back (collective: every rank calls it): the module holds its full weights again and
-        may be trained or wrapped anew."""
+        may be trained or wrapped anew. The hierarchical mode's syncs in flight are finished
+        first (their updates are not applied)."""
+        if getattr(self, "outer", None) is not None:
+            self.outer.close()
         if self.policy.shard_parameters and self.hooks.handles:
             self._prefetch.end_pass()
             for u in self.units:
