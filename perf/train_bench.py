@@ -100,7 +100,8 @@ def _build(name, model, t, args):
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
            "zero_optimization": {**_zero_section(name, t),
                                  "stage3_param_persistence_threshold": args.persistence_threshold},
-           "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel}}
+           # the Hugging Face model keeps zpp's default units (its GPT2Block, from _no_split_modules)
+           "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel if args.model == "gpt" else None}}
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     return engine, engine.backward, engine.step, engine
 

@@ -27,7 +27,8 @@ import clusterlib  # noqa: E402
 import train_bench  # noqa: E402
 from zpp import cluster  # noqa: E402
 
-MODEL_ARGS = ("n_layer", "n_embd", "n_head", "block", "batch", "steps", "warmup", "unit_min_numel")
+MODEL_ARGS = ("model", "n_layer", "n_embd", "n_head", "block", "batch", "steps", "warmup", "unit_min_numel",
+              "persistence_threshold")
 
 
 def _variant(name: str, rate: str, args, tmp: Path) -> dict:
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per variant (default 6)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--unit-min-numel", type=int, default=bp.get_default("unit_min_numel"))
+    ap.add_argument("--persistence-threshold", type=int, default=bp.get_default("persistence_threshold"))
+    ap.add_argument("--model", choices=("gpt", "hf-gpt2"), default="gpt")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(HERE / "results" / "train_cluster.json"))
     args = ap.parse_args(argv)
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
             lines = check(rows, slow=rate_bits <= 2e8)
             record["runs"].append({"rate": rate, "rows": list(rows.values()), "checks": lines})
             params = next((r["params"] for r in rows.values() if "params" in r), "?")
-            print(f"\n## {rate}, {args.nodes} nodes x {args.ranks_per_node} ranks, GPT {args.n_layer} x "
+            print(f"\n## {rate}, {args.nodes} nodes x {args.ranks_per_node} ranks, {args.model} {args.n_layer} x "
                   f"{args.n_embd}, {params} parameters, batch {args.batch} x {args.block} per rank")
             train_bench.print_rows(list(rows.values()))
             for line in lines:

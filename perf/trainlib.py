@@ -38,6 +38,8 @@ def add_model_args(p: argparse.ArgumentParser, *, n_layer: int, n_embd: int, blo
     p.add_argument("--block", type=int, default=block, help="sequence length")
     p.add_argument("--batch", type=int, default=batch, help="sequences per rank per step")
     p.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    p.add_argument("--model", choices=("gpt", "hf-gpt2"), default="gpt",
+                   help="tests/gpt.py's GPT, or Hugging Face's GPT2LMHeadModel of the same shape")
 
 
 def parse_variants(p: argparse.ArgumentParser, args: argparse.Namespace, known) -> None:
@@ -48,10 +50,34 @@ def parse_variants(p: argparse.ArgumentParser, args: argparse.Namespace, known) 
 
 
 def make_model(args):
+    """The benchmark model: ``model(x, y)`` returns the loss of predicting ``y``."""
     from tests.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
+    if args.model == "hf-gpt2":
+        return HFCausalLM(args)
     return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block))
+
+
+class HFCausalLM(torch.nn.Module):
+    """Hugging Face's GPT2LMHeadModel (tied head, its own attention and MLP modules) with
+    the benchmark GPT's shape and vocabulary, called as ``model(x, y)``: ``y`` is ``x``
+    shifted by one, which the Hugging Face loss does itself, so it reads ``labels=x``."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        import transformers as tf
+
+        from tests.gpt import GPTConfig
+
+        cfg = tf.GPT2Config(vocab_size=GPTConfig().vocab_size, n_positions=args.block, n_embd=args.n_embd,
+                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        self.hf = tf.GPT2LMHeadModel(cfg)
+
+    def forward(self, x, y):
+        del y
+        return self.hf(input_ids=x, labels=x).loss
 
 
 def modelled_bytes(kind: str, psi: int, t) -> tuple[float, float]:

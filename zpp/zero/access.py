@@ -13,11 +13,16 @@ here:
   their own class (``nn.Parameter``, usually); :meth:`~zpp.zero.unit.Unit` swaps it back
   when the unit is gathered. So a gathered parameter costs nothing extra, and a sharded
   one runs ``__torch_function__`` for each torch function it is passed to.
-* A data-reading function (anything but metadata: ``.data``/``.grad`` access, hooks,
-  ``data_ptr``...; ``shape``/``size()`` count as reads while a forward runs) calls the
-  owner's :meth:`AccessOwner.on_access` first, which gathers the unit (inside a forward or
-  backward) or raises a ``RuntimeError`` naming the parameter (outside them), so no
-  computation ever sees an empty tensor.
+* Every torch function a sharded parameter is passed to calls the owner's
+  :meth:`AccessOwner.on_access` first, with the kind of access: ``"read"`` (any function
+  that uses the values), ``"data"`` (the ``.data`` attribute: a tensor of the values, read or
+  written later), ``"shape"`` (``shape``, ``size()``, ``numel()``...). Metadata
+  (``.grad``, ``dtype``, hooks, ``data_ptr``...) passes through. The engine gathers the
+  unit (inside a forward or backward) or raises a ``RuntimeError`` naming the parameter
+  (outside them; a shape read there just sees the empty tensor), so no computation ever
+  sees an empty tensor. ``on_access`` may return a callback run after the function
+  (:mod:`zpp.zero.init` partitions a parameter again right after an in-place
+  initialization).
 
 Why interception and not only larger units: blocks cover reads inside a block; they cannot
 cover a weight shared between the root's forward and a child (GPT's tied ``lm_head``), a
@@ -31,6 +36,7 @@ step times before and after.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,9 +54,10 @@ class AccessOwner(abc.ABC):
     """What an engine does when a sharded parameter of its own is read."""
 
     @abc.abstractmethod
-    def on_access(self, param: torch.nn.Parameter, what: str, shape_only: bool) -> None:
-        """``param`` (sharded) is about to be read by ``what``: gather it or raise.
-        ``shape_only``: only its shape is read (harmless outside a forward)."""
+    def on_access(self, param: torch.nn.Parameter, what: str, kind: str) -> Callable[[], None] | None:
+        """``param`` (sharded) is about to be accessed by ``what``; ``kind`` is "read",
+        "data" or "shape" (see [Note: parameter access]). Gather it or raise; optionally
+        return a callback to run once ``what`` returned."""
 
 
 _OWNERS: dict[int, AccessOwner] = {}
@@ -111,16 +118,31 @@ def _intercepting(cls: type) -> type:
     return sub
 
 
-def _torch_function(cls, func, types, args=(), kwargs=None):
+def _kind(func) -> str | None:
     name = getattr(func, "__name__", "")
-    if name not in _PASSTHROUGH or (name == "__get__" and _property_name(func) in _SHAPE_PROPERTIES):
-        shape_only = name in _SHAPE or name == "__get__"
+    if name == "__get__":
+        prop = _property_name(func)
+        return "shape" if prop in _SHAPE_PROPERTIES else "data" if prop == "data" else None
+    if name in _PASSTHROUGH:
+        return None
+    return "shape" if name in _SHAPE else "read"
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    kind = _kind(func)
+    after = []
+    if kind is not None:
         for p in _params_in(args, kwargs):
             owner = _OWNERS.get(id(p))
             if owner is not None and type(p) in _INTERCEPTING.values():
-                owner.on_access(p, _describe(func), shape_only)
+                done = owner.on_access(p, _describe(func), kind)
+                if done is not None:
+                    after.append(done)
     with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+    for done in after:
+        done()
+    return out
 
 
 def _property_name(func: Any) -> str:

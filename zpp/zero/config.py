@@ -579,9 +579,6 @@ class TrainConfig:
 #: [Note: engine support]): name -> (asks for it?, what to say).
 ENGINE_PENDING: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
     "fp16.enabled": (lambda c: c.fp16.enabled, "fp16 mixed precision with loss scaling; use bf16"),
-    "zero_optimization.offload_optimizer": (
-        lambda c: c.zero.offload_optimizer.device != "none", "optimizer state offload"),
-    "zero_optimization.offload_param": (lambda c: c.zero.offload_param.device != "none", "parameter offload"),
     "zpp.nonfinite": (lambda c: c.zpp.nonfinite == "raise", "raising on non-finite gradients"),
 }
 

@@ -34,6 +34,7 @@ from zpp.zero.gather import build_gathers
 from zpp.zero.gradnorm import clip_grads
 from zpp.zero.hooks import EngineHooks
 from zpp.zero.memory import model_state_bytes
+from zpp.zero.offload import Offload, settle
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
 from zpp.zero.outer import build_outer, node_world
 from zpp.zero.param_groups import ParamGroups
@@ -101,8 +102,10 @@ class ZeroEngine(torch.nn.Module):
                             "zpp.parameter_mismatch='raise')", len(synced), synced[0])
         world = self.world = node_world(world, config)  # zpp.outer: ZeRO inside the node
         comms = Comms(world=world, topology=self._topology(), config=config)
+        first = next(module.parameters(), None)
+        self.offload = Offload.from_config(config, first.device if first is not None else torch.device("cpu"))
         self.comms = UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy),
-                               reduce=build_reduce(comms, policy))
+                               reduce=build_reduce(comms, policy), offload=self.offload)
         groups = groups if groups is not None else ParamGroups.all_parameters()
         check_optimizer_args(config, optimizer, groups)  # before anything is sharded
         plan = plan_units(module, policy=policy, config=config, groups=groups, make_unit=self._make_unit)
@@ -201,8 +204,8 @@ class ZeroEngine(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        p = next(iter(self.units), None)
-        return p.flat.shard.device if p is not None else torch.device("cpu")
+        u = next(iter(self.units), None)
+        return u.flat.device if u is not None else torch.device("cpu")
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
         return self.config.train_micro_batch_size_per_gpu
@@ -274,6 +277,10 @@ class ZeroEngine(torch.nn.Module):
             for u in trained:
                 u.reduce_grads()
                 u.reduced = False
+        if self.offload.active:  # the reduced gradients' copies to the host: see [Note: offload]
+            settle()
+            for u in trained:
+                u.fold_host_grads()
         self.last_grad_norm = clip_grads(trained, world=self.world, clip=self.config.gradient_clipping,
                                          sharded=self.comms.degree > 1, local=self.onebit_views is not None)
         views = self.onebit_views or ()
@@ -304,6 +311,7 @@ class ZeroEngine(torch.nn.Module):
             for p in u.params:
                 p.grad = None
             u.flat.grad = None
+            u.host_grads.clear()
             u.reset_micro_step()
         for v in self.onebit_views or ():
             v.param.grad = None

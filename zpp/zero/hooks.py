@@ -157,7 +157,7 @@ class EngineHooks(access.AccessOwner):
         return hook
 
     # ------------------------------------------------------------------ reads outside the plan
-    def on_access(self, param: torch.nn.Parameter, what: str, shape_only: bool) -> None:
+    def on_access(self, param: torch.nn.Parameter, what: str, kind: str) -> None:
         u = self.unit_of[id(param)]
         if self.stack:
             module = self.stack[-1]
@@ -173,7 +173,7 @@ class EngineHooks(access.AccessOwner):
             self.prefetcher.gather(u, Phase.FORWARD)
         elif torch._C._current_graph_task_id() != -1:  # inside backward: released at its end
             self.prefetcher.gather(u, Phase.BACKWARD)
-        elif not shape_only:
+        elif kind != "shape":
             raise RuntimeError(
                 f"zpp: parameter {self.param_names.get(id(param), '?')!r} is partitioned (ZeRO stage 3) and was "
                 f"read by {what} outside the model's forward and backward, where this rank holds only its "

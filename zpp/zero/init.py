@@ -20,8 +20,10 @@ the same order.
   alike (nothing is broadcast).
 * A read of a loose parameter inside the context (an initialization after the module was
   built, ``model.apply(init_fn)``, a ``post_init``) gathers it (one all-gather of the
-  slices) for the rest of the current module's construction, then it is partitioned again
-  with its new values. Outside the context, a read raises a ``RuntimeError`` naming the
+  slices) for that one torch function (``nn.init.normal_(p)``), then partitions it again
+  with its new values; so at most one parameter is whole at a time. Through ``p.data``
+  (whose later use cannot be seen) it stays gathered until the outermost module under
+  construction is built. Outside the context, a read raises a ``RuntimeError`` naming the
   parameter: give the model to :func:`zpp.initialize`, or read it inside
   :class:`zpp.zero.GatheredParameters`.
 * :func:`zpp.initialize` builds its units from the loose shards one parameter at a time
@@ -62,14 +64,16 @@ _STATE = threading.local()
 class InitOwner(access.AccessOwner):
     """Reads of loose parameters (see [Note: partitioned construction])."""
 
-    def on_access(self, param: torch.nn.Parameter, what: str, shape_only: bool) -> None:
+    def on_access(self, param: torch.nn.Parameter, what: str, kind: str):
         active = getattr(_STATE, "init", None)
         if active is not None:
             gather_loose(param)
-            active.regather.append(param)
-            return
-        if shape_only:
-            return
+            if kind == "data":  # a tensor of the values, written through later: until the module is built
+                active.regather.append(param)
+                return None
+            return lambda: repartition_loose(param, "own")  # the function has run: partition it again
+        if kind == "shape":
+            return None
         raise RuntimeError(
             f"zpp: a parameter of shape {tuple(_LOOSE[id(param)].shape)} was built under zpp.zero.Init and is "
             f"partitioned; it was read by {what} outside the Init context. Pass the model to zpp.initialize, "

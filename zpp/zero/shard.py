@@ -125,6 +125,7 @@ class FlatShard:
         layout: the unit's flat layout.
         rank: this rank's shard index (0 when ``layout.degree == 1``).
         dtype: the parameters' dtype (fp32 or bf16).
+        device: where the parameters compute and the full buffer lives.
         state: :class:`ShardState`.
         full: the full flat buffer (``layout.padded_numel``, ``dtype``) while gathering or
             gathered, else None.
@@ -134,13 +135,16 @@ class FlatShard:
         secondary: hpZ's secondary shard, meaningful when ``secondary_state`` is VALID.
     """
 
-    __slots__ = ("layout", "rank", "dtype", "state", "full", "shard", "master", "grad",
+    __slots__ = ("layout", "rank", "dtype", "device", "state", "full", "shard", "master", "grad",
                  "secondary", "secondary_state")
 
-    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype) -> None:
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
         self.layout = layout
         self.rank = rank
         self.dtype = dtype
+        #: where the parameters compute (the shard may live in host memory: ZeRO-Offload)
+        self.device = torch.device("cpu") if device is None else device
         self.state = ShardState.SHARDED
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
@@ -148,6 +152,13 @@ class FlatShard:
         self.grad: torch.Tensor | None = None
         self.secondary: torch.Tensor | None = None
         self.secondary_state = SecondaryState.ABSENT
+
+    def compute_shard(self) -> torch.Tensor:
+        """The shard on :attr:`device`: itself, or a device copy of a host shard (offloaded
+        parameters; made for each gather, not kept)."""
+        if self.shard.device == self.device:
+            return self.shard
+        return self.shard.to(self.device, non_blocking=self.shard.is_pinned())
 
     @property
     def master_aliases_shard(self) -> bool:
@@ -163,7 +174,7 @@ class FlatShard:
 
     def detach(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Drop the full buffer; parameters keep an empty tensor until the next gather."""
-        empty = torch.empty(0, dtype=self.dtype, device=self.shard.device)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in params:
             p.data = empty
         self.full = None

@@ -38,6 +38,7 @@ from zpp.comm.transport import Transport, Work
 from zpp.zero import access
 from zpp.zero import init as zinit
 from zpp.zero.comm_api import GradReduce, Phase, WeightGather
+from zpp.zero.offload import Offload
 from zpp.zero.param_groups import FROZEN
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.shard import FlatLayout, FlatShard, ShardState
@@ -55,6 +56,8 @@ class UnitComms:
     """The weight gather of each phase (empty without sharded parameters)."""
     reduce: GradReduce
     """The gradient reduction."""
+    offload: Offload = Offload()
+    """What lives in host memory (see [Note: offload] in :mod:`zpp.zero.offload`)."""
 
     @property
     def degree(self) -> int:
@@ -97,7 +100,9 @@ class Unit:
         dtype = self.params[0].dtype
         degree = comms.degree
         self.layout = FlatLayout(self.names, [zinit.shape_of(p) for p in self.params], degree)
-        self.flat = FlatShard(self.layout, comms.world.rank if degree > 1 else 0, dtype)
+        self.flat = FlatShard(self.layout, comms.world.rank if degree > 1 else 0, dtype, self.params[0].device)
+        #: reduced gradients on their way to host memory (offloaded optimizer), folded at the step
+        self.host_grads: list[torch.Tensor] = []
         #: parameters whose gradient the backward delivers (post-accumulate hooks)
         self.expected_grads = sum(1 for p in self.params if p.requires_grad) if trainable else 0
         #: ids of the parameters whose gradient arrived in this micro-step (see [Note: stage 3 hooks])
@@ -126,11 +131,17 @@ class Unit:
             f.full = lay.flatten([p.detach() for p in self.params], f.dtype, device)
             f.shard = f.full[own]
             f.attach(self.params)
+        offload = self.comms.offload
+        if offload.params and self.shards_params:
+            f.shard = offload.host(f.shard)
         if self.trainable:
-            if f.dtype == torch.float32:
+            if offload.optimizer and f.shard.device.type != "cpu":
+                f.master = torch.nn.Parameter(offload.host(f.shard, torch.float32), requires_grad=True)
+            elif f.dtype == torch.float32:
                 f.master = torch.nn.Parameter(f.shard, requires_grad=True)
             else:
-                f.master = torch.nn.Parameter(f.shard.float(), requires_grad=True)
+                f.master = torch.nn.Parameter(offload.host(f.shard, torch.float32) if offload.optimizer
+                                              else f.shard.float(), requires_grad=True)
 
     def _materialize_loose(self, own: slice) -> None:
         """Build the unit from parameters partitioned by :class:`zpp.zero.Init`, one
@@ -188,7 +199,7 @@ class Unit:
         if f.state is not ShardState.SHARDED:
             raise RuntimeError(f"Unit.start_gather: unit {self.index} is {f.state.name}, not SHARDED")
         strategy = self.comms.gathers[phase]
-        full = torch.empty(self.layout.padded_numel, dtype=f.dtype, device=f.shard.device)
+        full = torch.empty(self.layout.padded_numel, dtype=f.dtype, device=f.device)
         work = strategy.start(f, full)
         f.full = full
         f.state = ShardState.GATHERING
@@ -228,10 +239,14 @@ class Unit:
         gradients (the micro-steps' gradients summed in ``.grad``), once per micro-step
         with them; see [Note: stage 1 bytes]."""
         f, lay = self.flat, self.layout
-        flat = lay.flatten([p.grad for p in self.params], torch.float32, f.shard.device)
+        flat = lay.flatten([p.grad for p in self.params], torch.float32, f.device)
         for p in self.params:
             p.grad = None
-        f.add_grad(self.comms.reduce(flat, lay))
+        reduced = self.comms.reduce(flat, lay)
+        if f.master is not None and f.master.device != reduced.device:  # offloaded: to the host, overlapped
+            self.host_grads.append(self.comms.offload.to_host(reduced))
+        else:
+            f.add_grad(reduced)
         self.reduced = True
 
     @property
@@ -248,11 +263,18 @@ class Unit:
         g = self.flat.grad
         return torch.zeros((), dtype=torch.float64) if g is None else g.double().pow(2).sum()
 
+    def fold_host_grads(self) -> None:
+        """Add the gradients copied to the host since the last step into ``flat.grad`` (after
+        :func:`zpp.zero.offload.settle`)."""
+        for g in self.host_grads:
+            self.flat.add_grad(g)
+        self.host_grads.clear()
+
     def stage_grad(self) -> None:
         """Hand the accumulated gradient to the optimizer as ``master.grad``."""
         f = self.flat
         if f.grad is None:
-            f.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=f.shard.device)
+            f.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=f.master.device)
         f.master.grad = f.grad
 
     # ------------------------------------------------------------------ after the step
@@ -274,7 +296,7 @@ class Unit:
         """Set the unit from a full flat fp32 vector of ``layout.numel`` elements (checkpoint
         loading): the owned range of the master weights and the parameters."""
         f, lay = self.flat, self.layout
-        padded = torch.zeros(lay.padded_numel, dtype=torch.float32, device=f.shard.device)
+        padded = torch.zeros(lay.padded_numel, dtype=torch.float32, device=f.device)
         padded[:lay.numel] = values
         own = padded[lay.owned(f.rank)]
         if f.master is not None:

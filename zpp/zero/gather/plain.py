@@ -21,4 +21,4 @@ class PlainGather(WeightGather):
         self.world: Transport = comms.world
 
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
-        return self.world.all_gather_async(full, flat.shard)
+        return self.world.all_gather_async(full, flat.compute_shard())

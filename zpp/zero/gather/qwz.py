@@ -31,7 +31,7 @@ class QuantizedGather(WeightGather):
 
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
         gs = min(self.group_size, flat.layout.shard_numel)
-        return quantized_all_gather_async(full, flat.shard, transport=self.world, bits=self.bits, group_size=gs)
+        return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=self.bits, group_size=gs)
 
     def __repr__(self) -> str:
         return f"QuantizedGather(bits={self.bits}, group_size={self.group_size})"
