@@ -1,6 +1,6 @@
 """The hierarchical mode (``zpp.outer``): ZeRO inside each node, DiLoCo across nodes.
 
-On 2 nodes x 2 gloo ranks (and one MPI world), against plain-torch references written here:
+On 2 nodes x 2 gloo ranks (the streaming and resume world under MPI too), against plain-torch references written here:
 
 * H = 1 with plain averaging, no compression, an inner optimizer linear in the gradient (SGD
   with momentum) equals torch DDP over the 4 ranks (the mean of the nodes' updates is the
@@ -8,7 +8,8 @@ On 2 nodes x 2 gloo ranks (and one MPI world), against plain-torch references wr
 * DiLoCo itself: each node an AdamW replica on its 2 ranks' mean gradient, every H steps
   torch.optim.SGD(Nesterov) on the nodes' averaged pseudo-gradient, the replicas reset to it;
 * Streaming: fragments of a flat weight vector on the staggered schedule, applied tau steps
-  late with the merge, written out by hand over the flat vector;
+  late with the merge, written out by hand over the flat vector; at stage 3 (many units) the
+  outer steps the engine applies cover every trainable element once per period;
 * resume mid-interval (pending syncs in flight, 1-bit error feedback) continues bit for bit;
   a checkpoint resharded into another stage continues within fp32 reduction order;
 * the compressed outer all-reduce within its quantization bound, with its wire bytes; the
@@ -235,7 +236,7 @@ def test_outer_equivalences():
 
 
 # ---------------------------------------------------------------------- world B: streaming, resume
-def _streaming(t, backend_note=""):
+def _streaming(t):
     out = {}
     steps, H, F, tau, mix = 10, 4, 2, 1, 0.5
     batches = _node_batches(t, steps)
@@ -248,6 +249,46 @@ def _streaming(t, backend_note=""):
     out["streaming"] = (_rel(losses, ref_losses), float((_flat_of(e) - ref_flat).abs().max()),
                         e.outer.stats.started, e.outer.stats.landed)
     e.close()
+    out["coverage"] = _coverage(t, batches[t.rank])
+    return out
+
+
+def _coverage(t, batches):
+    """Stage 3 (one unit per block and the root): the outer steps the engine applies, recorded
+    as (unit, range) from the anchor views it moves, cover every trainable element of this
+    rank's shards exactly once per period, for each period, with and without delay."""
+    import zpp.zero.outer.sync as sync
+
+    H, F = 4, 5  # more fragments than steps: some steps start two
+    out = {}
+    for tau in (0, 2):
+        e = _engine(t, _cfg(3, {"sync_every": H, "fragments": F, "delay": tau}))
+        bases = {a.data_ptr(): i for i, a in enumerate(e.outer.anchors)}
+        applied: list[tuple[int, int, int, int]] = []  # (position, unit, lo, hi)
+        real = sync.outer_step
+
+        def record(anchor, delta, buf, **kw):
+            base = anchor.data_ptr() - anchor.storage_offset() * anchor.element_size()
+            lo = anchor.storage_offset() - e.outer.anchors[bases[base]].storage_offset()
+            applied.append((e.outer.position, bases[base], lo, lo + anchor.numel()))
+            real(anchor, delta, buf, **kw)
+
+        sync.outer_step = record
+        try:
+            train_steps(e, batches[:2 * H + tau])
+        finally:
+            sync.outer_step = real
+        shards = [u.layout.shard_numel for u in e.outer.units]
+        counts = []
+        for period in range(2):  # the syncs started in steps [period H + 1, (period + 1) H]
+            seen = [torch.zeros(n, dtype=torch.int64) for n in shards]
+            for pos, u, lo, hi in applied:
+                if period * H < pos - tau <= (period + 1) * H:
+                    seen[u][lo:hi] += 1
+            counts.append((min(int(s.min()) for s in seen), max(int(s.max()) for s in seen)))
+        trainable = sum(p.numel() for p in _build("gpt", 0).parameters() if p.requires_grad)
+        out[tau] = (counts, len(e.outer.units), sum(shards) * PER_NODE >= trainable, e.outer.stats.started)
+        e.close()
     return out
 
 
@@ -290,28 +331,25 @@ def _world_b(t, tmp):
 
 
 @pytest.mark.timeout(240)
-def test_outer_streaming_and_resume(tmp_path):
-    res = run_world(_world_b, NODES * PER_NODE, ranks_per_node=PER_NODE, args=(str(tmp_path),), timeout=220)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=needs_mpi)])
+def test_outer_streaming_and_resume(tmp_path, backend):
+    """Both transports (gloo, and MPI under mpiexec, the background sync thread included)."""
+    res = run_world(_world_b, NODES * PER_NODE, backend=backend, ranks_per_node=PER_NODE, args=(str(tmp_path),),
+                    timeout=220)
     for rank, r in enumerate(res):
         rel, err, started, landed = r["streaming"]
         # 10 steps, H 4, 2 fragments: starts after steps 2, 4, 6, 8, 10; lands 1 later
         assert started == 5 and landed == 4, (rank, started, landed)
         assert rel <= 1e-5 and err <= 2e-5, (rank, rel, err)
+        for tau, (counts, units, covers, started) in r["coverage"].items():
+            assert counts == [(1, 1), (1, 1)] and units > 1 and covers, (rank, tau, r["coverage"])
+            want = sum(len(Schedule(4, 5, tau).starting(p)) for p in range(1, 2 * 4 + tau + 1))
+            assert started == want, (rank, tau, started, want)
         same, pending, position = r["int4-streaming"]
         assert same and pending == 1 and position == 10, (rank, r["int4-streaming"])
         assert r["1bit"][0] and r["plain"][0], (rank, r["1bit"], r["plain"])
         assert r["resharded"] <= 1e-5, (rank, r["resharded"])
     print(res[0])
-
-
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("backend", [pytest.param("mpi", marks=needs_mpi)])
-def test_outer_streaming_mpi(backend):
-    """The streaming reference under MPI (its background thread included)."""
-    res = run_world(_streaming, NODES * PER_NODE, backend=backend, ranks_per_node=PER_NODE, timeout=180)
-    for rank, r in enumerate(res):
-        rel, err, started, landed = r["streaming"]
-        assert started == 5 and landed == 4 and rel <= 1e-5 and err <= 2e-5, (rank, r)
 
 
 # ---------------------------------------------------------------------- world C: the outer all-reduce
