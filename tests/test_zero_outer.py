@@ -248,6 +248,23 @@ def _streaming(t):
                                                 mu=0.8)
     out["streaming"] = (_rel(losses, ref_losses), float((_flat_of(e) - ref_flat).abs().max()),
                         e.outer.stats.started, e.outer.stats.landed)
+    background = _flat_of(e)
+    e.close()
+    # a transport that cannot run on a second thread (MPI without MPI_THREAD_MULTIPLE): the
+    # syncs run inside the step, counted, with the same numbers
+    cls = type(t)
+    saved = cls.__dict__.get("thread_safe")
+    cls.thread_safe = property(lambda self: False)
+    try:
+        e = _engine(t, _cfg(0, outer))
+    finally:
+        if saved is None:
+            del cls.thread_safe
+        else:
+            cls.thread_safe = saved
+    again = train_steps(e, batches[t.rank])
+    out["foreground"] = (e.outer._worker is None, e.outer.stats.foreground, again == losses,
+                         bool(torch.equal(_flat_of(e), background)))
     e.close()
     out["coverage"] = _coverage(t, batches[t.rank])
     return out
@@ -341,6 +358,7 @@ def test_outer_streaming_and_resume(tmp_path, backend):
         # 10 steps, H 4, 2 fragments: starts after steps 2, 4, 6, 8, 10; lands 1 later
         assert started == 5 and landed == 4, (rank, started, landed)
         assert rel <= 1e-5 and err <= 2e-5, (rank, rel, err)
+        assert r["foreground"] == (True, 5, True, True), (rank, r["foreground"])
         for tau, (counts, units, covers, started) in r["coverage"].items():
             assert counts == [(1, 1), (1, 1)] and units > 1 and covers, (rank, tau, r["coverage"])
             want = sum(len(Schedule(4, 5, tau).starting(p)) for p in range(1, 2 * 4 + tau + 1))

@@ -27,7 +27,8 @@ copied into a fresh buffer before it is submitted, so the inner steps never touc
 thread reads; the result is read only after ``Future.result()``. An error in the thread
 (a lost peer) is raised by the step that lands the sync. Wire bytes are booked from both
 threads into the shared counters (their per-thread collective stacks keep them apart).
-Without delay the step runs the sync itself.
+Without delay the step runs the sync itself; so it does, counted in ``stats.foreground``, when
+the inter-node transport is not ``thread_safe`` (MPI without ``MPI_THREAD_MULTIPLE``).
 
 [Note: outer state in checkpoints]
 The anchor and the momentum are per-element state of each unit's shard: they are saved with
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 import warnings
 from collections.abc import Sequence
@@ -61,6 +63,7 @@ from zpp.zero.unit import Unit
 __all__ = ["OuterStats", "OuterSync"]
 
 STATE_VERSION = 1
+log = logging.getLogger("zpp.zero")
 
 
 @dataclasses.dataclass
@@ -76,6 +79,10 @@ class OuterStats:
     checkpoints])."""
     wait_s: float = 0.0
     """Seconds the steps spent waiting for a sync to finish (without delay: the whole sync)."""
+    foreground: int = 0
+    """Syncs with ``delay`` > 0 run inside the step instead of in the background, because the
+    inter-node transport cannot run on a second thread (``Transport.thread_safe`` false: an
+    MPI library without ``MPI_THREAD_MULTIPLE``); their results are the same, applied as late."""
 
 
 @dataclasses.dataclass
@@ -113,8 +120,14 @@ class OuterSync:
         self.stats = OuterStats()
         self._slot = {id(u): i for i, u in enumerate(self.units)}
         self._pending: dict[int, _Pending] = {}
+        background = config.delay > 0 and inter.world_size > 1
+        self._foreground = background and not inter.thread_safe
+        if self._foreground and inter.rank == 0:
+            log.warning("zpp.outer: the %s transport cannot run collectives on a second thread (MPI without "
+                        "MPI_THREAD_MULTIPLE): the syncs with delay=%d run inside the step (counted in "
+                        "engine.outer.stats.foreground)", inter.name, config.delay)
         self._worker = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zpp-outer")
-                        if config.delay > 0 and inter.world_size > 1 else None)
+                        if background and not self._foreground else None)
 
     @property
     def replicas(self) -> int:
@@ -152,6 +165,7 @@ class OuterSync:
             t0 = time.perf_counter()
             reducer(delta)
             self.stats.wait_s += time.perf_counter() - t0
+            self.stats.foreground += self._foreground
             future = None
         self._pending[f] = _Pending(self.position, delta, future)
         self.stats.started += 1
