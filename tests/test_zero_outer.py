@@ -343,8 +343,44 @@ def _resume(t, tmp):
     return out
 
 
+def _outer_tensors(e):
+    """This rank's replica as full named tensors: its weights and its outer anchor and
+    momentum (each unit's shards all-gathered inside the node)."""
+    out = {}
+    for u, a, m in zip(e.outer.units, e.outer.anchors, e.outer.momenta, strict=True):
+        for kind, shard in (("anchor", a), ("momentum", m)):
+            full = shard
+            if u.layout.degree > 1:
+                full = torch.empty(u.layout.padded_numel)
+                e.world.all_gather(full, shard.contiguous())
+            for sl in u.layout.slots:
+                out[f"{kind}.{sl.name}"] = full[sl.offset:sl.offset + sl.numel].view(sl.shape).clone()
+    return {**out, **{f"weight.{k}": v.float() for k, v in e.consolidated_state_dict().items()}}
+
+
+def _saved_for_reload(t, tmp):
+    """2 nodes x 2 ranks at stage 3, 5 steps (momentum set by one sync, the replicas apart
+    since): save; the replica and outer state of this rank's node."""
+    e = _engine(t, _cfg(3, {"sync_every": 3}))
+    train_steps(e, _node_batches(t, 5)[t.rank])
+    e.save_checkpoint(tmp, tag="reload")
+    out = _outer_tensors(e)
+    e.close()
+    return out
+
+
+def _reload(t, tmp):
+    """The checkpoint into 2 nodes x 1 rank at stage 0: each node loads its own replica."""
+    e = _engine(t, _cfg(0, {"sync_every": 3}))
+    e.load_checkpoint(tmp, tag="reload")
+    out = _outer_tensors(e)
+    position = e.outer.position
+    e.close()
+    return out, position
+
+
 def _world_b(t, tmp):
-    return {**_streaming(t), **_resume(t, tmp)}
+    return {**_streaming(t), **_resume(t, tmp), "saved": _saved_for_reload(t, tmp)}
 
 
 @pytest.mark.timeout(240)
@@ -367,7 +403,18 @@ def test_outer_streaming_and_resume(tmp_path, backend):
         assert same and pending == 1 and position == 10, (rank, r["int4-streaming"])
         assert r["1bit"][0] and r["plain"][0], (rank, r["1bit"], r["plain"])
         assert r["resharded"] <= 1e-5, (rank, r["resharded"])
-    print(res[0])
+    print({k: v for k, v in res[0].items() if k != "saved"})
+    # the hierarchical checkpoint into 2 nodes x 1 rank: each node its own replica, its own
+    # anchor and momentum, the schedule position
+    again = run_world(_reload, NODES, backend=backend, ranks_per_node=1, args=(str(tmp_path),), timeout=100)
+    for node, (got, position) in enumerate(again):
+        want = res[node * PER_NODE]["saved"]
+        assert position == 5 and sorted(got) == sorted(want), (node, position, sorted(got), sorted(want))
+        for k in want:
+            assert torch.equal(got[k], want[k]), (node, k, float((got[k] - want[k]).abs().max()))
+    apart = res[0]["saved"], res[PER_NODE]["saved"]
+    assert any(not torch.equal(apart[0][k], apart[1][k]) for k in apart[0] if k.startswith("weight."))
+    assert all(torch.equal(apart[0][k], apart[1][k]) for k in apart[0] if not k.startswith("weight."))
 
 
 # ---------------------------------------------------------------------- world C: the outer all-reduce
