@@ -302,7 +302,7 @@ class ZeroEngine(torch.nn.Module):
             self.lr_scheduler.step()
         self.global_steps += 1
         spp = self.config.steps_per_print
-        if spp and self.global_steps % spp == 0 and self.world.rank == 0:
+        if spp and self.global_steps % spp == 0 and self.job_world.rank == 0:
             print(f"[zpp] step={self.global_steps} lr={self.get_lr()} grad_norm={self.last_grad_norm}", flush=True)
 
     def zero_grad(self) -> None:
@@ -331,7 +331,8 @@ class ZeroEngine(torch.nn.Module):
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model ``state_dict`` (every key, tied names included), on every rank.
-        Collective with sharded parameters (gathers one unit at a time)."""
+        Collective with sharded parameters (gathers one unit at a time). In the hierarchical
+        mode: this node's replica, gathered inside the node."""
         return checkpoint.consolidated_state_dict(self)
 
     def model_state_bytes(self) -> dict[str, int]:
