@@ -376,7 +376,14 @@ def _reload(t, tmp):
     out = _outer_tensors(e)
     position = e.outer.position
     e.close()
-    return out, position
+    # an engine without the mode, ZeRO over both ranks: node 0's replica, no outer keys left
+    # in its optimizer state
+    e = _engine(t, _cfg(2))
+    e.load_checkpoint(tmp, tag="reload")
+    plain = {f"weight.{k}": v.float() for k, v in e.consolidated_state_dict().items()}
+    keys = sorted({k for st in e.optimizer.state.values() for k in st})
+    e.close()
+    return out, position, plain, keys
 
 
 def _world_b(t, tmp):
@@ -407,11 +414,14 @@ def test_outer_streaming_and_resume(tmp_path, backend):
     # the hierarchical checkpoint into 2 nodes x 1 rank: each node its own replica, its own
     # anchor and momentum, the schedule position
     again = run_world(_reload, NODES, backend=backend, ranks_per_node=1, args=(str(tmp_path),), timeout=100)
-    for node, (got, position) in enumerate(again):
+    for node, (got, position, plain, keys) in enumerate(again):
         want = res[node * PER_NODE]["saved"]
         assert position == 5 and sorted(got) == sorted(want), (node, position, sorted(got), sorted(want))
         for k in want:
             assert torch.equal(got[k], want[k]), (node, k, float((got[k] - want[k]).abs().max()))
+        node0 = res[0]["saved"]
+        assert keys == ["exp_avg", "exp_avg_sq", "step"], keys
+        assert all(torch.equal(v, node0[k]) for k, v in plain.items()), node
     apart = res[0]["saved"], res[PER_NODE]["saved"]
     assert any(not torch.equal(apart[0][k], apart[1][k]) for k in apart[0] if k.startswith("weight."))
     assert all(torch.equal(apart[0][k], apart[1][k]) for k in apart[0] if not k.startswith("weight."))
