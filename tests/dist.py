@@ -14,7 +14,9 @@ Each rank builds its transport with ``zpp.comm.registry.get_transport(backend)``
 pickles its outcome into RESULTDIR. The first rank error (by time) is re-raised here, chained
 to a :class:`RankError` holding that rank's traceback and a line per other rank; a world
 that outlives ``timeout`` seconds is killed (every rank's process group and descendants) and
-the test fails with :class:`WorldTimeout`. Each rank runs with one intra-op thread.
+the test fails with :class:`WorldTimeout`. Each rank runs with one intra-op thread. An MPI
+world's leftover MPICH shared-memory segments are removed when it ends
+(:class:`zpp.comm.mpi_shm.ShmWatch`); ``world.shm_removed`` lists them.
 
 Start-up: a fresh interpreter needs 2-3 s per rank to import torch. Under mpiexec every rank
 pays it; the torch launcher uses multiprocessing's "forkserver" context with torch and zpp
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from zpp.comm.mpi_shm import ShmWatch, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 START_METHOD = os.environ.get("ZPP_TEST_START_METHOD", "forkserver")
@@ -249,6 +253,7 @@ class _MpiWorld:
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
+        self.shm = ShmWatch(self.proc.pid).__enter__()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -272,6 +277,8 @@ class _MpiWorld:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        self.shm.stop()
+        self.shm.clean()
         self.text = self.output()
         self.log.close()
         if self.text.strip():
@@ -387,7 +394,7 @@ def _free_port() -> int:
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid``'s process group and every descendant of ``pid`` (hydra proxies may
     put ranks in groups of their own)."""
-    victims = [pid, *_descendants(pid)]
+    victims = [pid, *descendants(pid)]
     try:
         if os.getpgid(pid) == pid:  # only a group the rank leads: never the test process's own
             os.killpg(pid, signal.SIGKILL)
@@ -398,22 +405,3 @@ def _kill_tree(pid: int) -> None:
             os.kill(v, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for c in children.get(stack.pop(), []):
-            found.append(c)
-            stack.append(c)
-    return found

@@ -97,8 +97,14 @@ class ZeroConfig:
 class ZppConfig:
     """zpp's own knobs (the ``"zpp"`` section of a DeepSpeed-style config)."""
 
-    transport: str = "torch"
-    """Name given to ``zpp.comm.get_transport`` when no transport is passed (Default: "torch")."""
+    transport: str | None = None
+    """Name given to ``zpp.comm.get_transport`` when no transport is passed; None leaves the
+    choice to [Note: which transport] in :mod:`zpp.comm.registry` (``$ZPP_COMM_BACKEND``, the
+    tune plan, the launcher, else "torch") (Default: None)."""
+    timeout_s: float | None = None
+    """Seconds the rendezvous and every collective wait for a silent peer before raising
+    ``TimeoutError``; None: ``$ZPP_TIMEOUT_S``, else 300 (see :mod:`zpp.comm.timeout`)
+    (Default: None)."""
     weight_bits: int = 8
     """qwZ code width, 8 or 4 (Default: 8)."""
     gradient_bits: int = 4
@@ -137,8 +143,11 @@ class ZppConfig:
             raise ValueError(f"ZppConfig: unit_min_numel={u!r} must be an integer >= 0")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"ZppConfig: prefetch={self.prefetch!r} must be true or false")
-        if not isinstance(self.transport, str) or not self.transport:
-            raise ValueError(f"ZppConfig: transport={self.transport!r} must be a transport name")
+        if self.transport is not None and (not isinstance(self.transport, str) or not self.transport):
+            raise ValueError(f"ZppConfig: transport={self.transport!r} must be a transport name or null")
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise ValueError(f"ZppConfig: timeout_s={t!r} must be a number of seconds > 0 or null")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

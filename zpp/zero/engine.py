@@ -682,7 +682,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable | None = None,
     if transport is None:
         from zpp.comm import registry
 
-        transport = registry.get_transport(cfg.zpp.transport)
+        timeout = {} if cfg.zpp.timeout_s is None else {"timeout_s": cfg.zpp.timeout_s}
+        transport = registry.get_transport(cfg.zpp.transport, **timeout)
     engine = ZeroEngine(model, config=cfg, world=transport, optimizer=optimizer, lr_scheduler=lr_scheduler,
                         trainable=_trainable_ids(model_parameters))
     return engine, engine.optimizer, None, engine.lr_scheduler
