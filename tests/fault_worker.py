@@ -104,8 +104,10 @@ def train(outdir: Path, rank: int, fault: tuple[str, int, int] | None) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    state = engine.consolidated_state_dict()  # the same on every rank of one world
+    checksum = float(sum(v.double().sum() for v in state.values()))
     return {"rank": world.rank, "world_size": world.world_size, "backend": world.name,
-            "chosen_by": getattr(world, "chosen_by", ""), "losses": losses}
+            "chosen_by": getattr(world, "chosen_by", ""), "losses": losses, "checksum": checksum}
 
 
 def dist_api() -> dict:
