@@ -4,6 +4,8 @@
     python perf/exit_check.py                      # N=50 of each, torchrun and mpiexec
     python perf/exit_check.py -n 10 --launchers torchrun --zpp-root /work/main   # another tree
 
+The snippet's runs rotate over three endings: plain, after ``destroy_process_group()``, and
+with an all-gather started and never waited (``ZPP_EXIT``, see tests/fault_worker.py).
 A run counts as bad when its launcher exits non-zero, when any process printed
 "terminate called" (the gloo worker-thread abort of [Note: clean exit] in
 zpp/comm/teardown.py), or when a rank did not write its result. Prints one line per run
@@ -26,14 +28,20 @@ sys.path.insert(0, str(ROOT))
 from tests.launched import launch  # noqa: E402
 
 
+ENDINGS = ("", "destroy", "inflight")
+
+
 def check(kind: str, scenario: str, n: int, nprocs: int, extra_path: str | None) -> dict:
-    env = {"ZPP_FAULT_STAGE": "3", "ZPP_FAULT_STEPS": "3", "ZPP_TIMEOUT_S": "120"}
+    base = {"ZPP_FAULT_STAGE": "3", "ZPP_FAULT_STEPS": "3", "ZPP_TIMEOUT_S": "120"}
+    if kind.endswith(":torch"):  # mpiexec:torch: the torch transport under mpiexec
+        kind, base["ZPP_COMM_BACKEND"] = kind.split(":")[0], "torch"
     if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join([extra_path, str(ROOT)])
+        base["PYTHONPATH"] = os.pathsep.join([extra_path, str(ROOT)])
     nonzero = aborts = missing = 0
     walls = []
     examples: list[str] = []
     for i in range(n):
+        env = {**base, "ZPP_EXIT": ENDINGS[i % len(ENDINGS)] if scenario == "snippet" else ""}
         with tempfile.TemporaryDirectory(prefix="zpp-exit-") as tmp:
             run = launch(kind, nprocs, scenario, Path(tmp), env=env, wait_s=300)
         walls.append(run.wall_s)
@@ -48,7 +56,7 @@ def check(kind: str, scenario: str, n: int, nprocs: int, extra_path: str | None)
                             f"{absent}\n{run.output[-1500:]}")
         print(f"  {kind} {scenario} {i + 1}/{n}: codes {run.codes} aborts {aborted} {run.wall_s:.1f} s",
               file=sys.stderr, flush=True)
-    return {"launcher": kind, "scenario": scenario, "runs": n, "nonzero_exit": nonzero, "terminate_called": aborts,
+    return {"launcher": kind + (":torch" if "ZPP_COMM_BACKEND" in base else ""), "scenario": scenario, "runs": n, "nonzero_exit": nonzero, "terminate_called": aborts,
             "missing_results": missing, "mean_wall_s": round(sum(walls) / max(len(walls), 1), 2),
             "examples": examples}
 
@@ -57,7 +65,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", type=int, default=50, help="runs of each kind (default: 50)")
     p.add_argument("--nprocs", type=int, default=4)
-    p.add_argument("--launchers", default="torchrun,mpiexec")
+    p.add_argument("--launchers", default="torchrun,mpiexec",
+                   help="comma list of torchrun, mpiexec, mpiexec:torch (the torch transport under mpiexec)")
     p.add_argument("--scenarios", default="snippet,train")
     p.add_argument("--zpp-root", default=None, help="import zpp from this tree instead (a baseline)")
     p.add_argument("--json", default=None, help="write the summary here")

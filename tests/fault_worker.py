@@ -1,10 +1,12 @@
 """One rank of a launch test (tests/test_faults.py, perf/exit_check.py): a real script run by
 torchrun, mpiexec or plain processes.
 
-    python -m tests.fault_worker SCENARIO OUTDIR
+    python tests/fault_worker.py SCENARIO OUTDIR
 
 Scenarios:
-  snippet   the README's zpp.comm snippet (transport, topology, quantized collectives)
+  snippet   the README's zpp.comm snippet (transport, topology, quantized collectives); with
+            ``ZPP_EXIT=inflight`` it exits with an all-gather in flight (started, never
+            waited), with ``ZPP_EXIT=destroy`` after ``destroy_process_group()``
   train     zpp.initialize on a small MLP, ``ZPP_FAULT_STEPS`` steps (Default: 3) at ZeRO
             stage ``ZPP_FAULT_STAGE`` (Default: 3, prefetch on)
   dist      zpp.init_distributed() and DeepSpeed's comm functions
@@ -72,6 +74,11 @@ def snippet() -> dict:
     quantized_reduce_scatter(grad_shard, grad, topology=topo, bits=4)
     print(f"rank={world.rank} world_size={world.world_size}", flush=True)
     want = torch.arange(world.world_size, dtype=torch.float32).repeat_interleave(1000)
+    ending = os.environ.get("ZPP_EXIT", "")
+    if ending == "inflight":  # exit with an all-gather started and never waited
+        world.all_gather_async(torch.empty((1 << 20) * world.world_size), torch.ones(1 << 20))
+    elif ending == "destroy" and world.name == "torch":
+        torch.distributed.destroy_process_group()
     return {"rank": world.rank, "world_size": world.world_size, "backend": world.name,
             "chosen_by": getattr(world, "chosen_by", ""), "gather_ok": bool(torch.allclose(out, want, atol=0.02)),
             "reduce_ok": bool(torch.allclose(grad_shard, torch.ones(1000), atol=0.1))}
@@ -130,9 +137,12 @@ def dist_api() -> dict:
 
 def main(argv: list[str]) -> None:
     scenario, outdir = argv[1], Path(argv[2])
-    from zpp.comm.launch import detect
+    try:
+        from zpp.comm.launch import detect
 
-    rank = detect().rank
+        rank = detect().rank
+    except ImportError:  # a zpp without launch detection (perf/exit_check.py --zpp-root)
+        rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or 0)
     fault = _fault()
     if fault is not None and fault[0] == "exit" and fault[1] == rank:
         _misbehave(outdir, "exit")

@@ -104,7 +104,8 @@ def launch(kind: str, nprocs: int, scenario: str, outdir: Path, *, env: dict[str
     their processes ended (the others are then ended, as a launcher would)."""
     run_id = uuid.uuid4().hex
     base = _base_env(env, run_id)
-    worker = [sys.executable, "-m", "tests.fault_worker", scenario, str(outdir)]
+    # the worker by path, so that PYTHONPATH alone decides which zpp it imports (a baseline tree)
+    worker = [sys.executable, str(ROOT / "tests" / "fault_worker.py"), scenario, str(outdir)]
     logs = [outdir / f"out{i}.log" for i in range(nprocs if kind == "spawn" else 1)]
     files = [open(p, "w+b") for p in logs]  # noqa: SIM115 - closed below
     start = time.monotonic()
@@ -118,7 +119,7 @@ def launch(kind: str, nprocs: int, scenario: str, outdir: Path, *, env: dict[str
                  for r in range(nprocs)]
     elif kind == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
-               "--master-port", str(_free_port()), "-m", "tests.fault_worker", scenario, str(outdir)]
+               "--master-port", str(_free_port()), *worker[1:]]
         procs = [subprocess.Popen(cmd, cwd=ROOT, env=base, stdout=files[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]
     elif kind == "mpiexec":
