@@ -56,6 +56,9 @@ class Run:
     """Processes and MPICH segments of the run still there at the end."""
     wall_s: float = 0.0
     shm_removed: list[str] = field(default_factory=list)
+    """MPICH segments the launcher-side watch removed."""
+    ended: list[float | None] = field(default_factory=list)
+    """``time.time()`` at which each process (as in ``codes``) was seen to end by itself."""
 
 
 def _free_port() -> int:
@@ -130,7 +133,11 @@ def launch(kind: str, nprocs: int, scenario: str, outdir: Path, *, env: dict[str
         raise ValueError(f"launch: kind={kind!r}")
     deadline = start + wait_s
     alive_at_deadline: list[int] = []
+    ended: list[float | None] = [None] * len(procs)
     while True:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.time()
         done = all(p.poll() is not None for p in procs)
         if until_results is not None and all((outdir / f"rank{r}.json").exists() for r in until_results):
             if kind != "spawn" or all(procs[r].poll() is not None for r in until_results):
@@ -178,5 +185,5 @@ def launch(kind: str, nprocs: int, scenario: str, outdir: Path, *, env: dict[str
     if (outdir / "fault.json").exists():
         results["fault"] = json.loads((outdir / "fault.json").read_text())
     codes = [p.returncode for p in procs]
-    return Run(codes, results, output, alive_at_deadline, leftovers, wall, removed)
+    return Run(codes, results, output, alive_at_deadline, leftovers, wall, removed, ended)
 

@@ -17,6 +17,7 @@ from tests.launched import launch
 
 T = 8.0  # zpp.timeout_s of the faulty runs
 WINDOW = 3.0  # zpp.comm.faults.REPORT_WINDOW_S
+EXIT_S = 30.0  # from a rank's error to its process's end: interpreter shutdown, not a hang
 slow = pytest.mark.slow
 
 
@@ -109,6 +110,8 @@ def test_kill_during_training(kind, tmp_path):
         assert rec["t"] - _fault_time(run) < T + WINDOW + 4, (r, rec["t"] - _fault_time(run))
     if kind == "spawn":
         assert run.codes == [1, 1, -9, 1], run.codes
+        for r in survivors:
+            assert run.ended[r] - run.results[r]["t"] < EXIT_S, (r, run.ended[r] - run.results[r]["t"])
     else:
         assert run.codes[0] != 0  # torchrun reports the failed job
     _clean(run)
@@ -140,9 +143,12 @@ def test_silent_rank_is_named(kind, mode, tmp_path):
         assert T - 0.5 <= waited <= T + 10, (r, waited)
     if kind == "spawn":
         assert run.codes[0] == 1 and run.codes[2] == 1, run.codes
+        for r in (0, 2):  # and they exit after raising (a loaded 2-core machine takes ~10 s to exit)
+            assert run.ended[r] - run.results[r]["t"] < EXIT_S, (r, run.ended[r] - run.results[r]["t"])
     else:
         assert run.codes[0] not in (0, None), run.codes  # aborted, by itself (not at the deadline)
         assert "MPI_Abort" in run.output
+        assert run.ended[0] - max(run.results[r]["t"] for r in (0, 2)) < EXIT_S, run.ended
     _clean(run)
 
 

@@ -16,28 +16,28 @@ its workers, but ``destroy_process_group()`` does not destroy groups that Python
 those groups die in the interpreter's final garbage collection, too late.
 
 So the first torch transport registers an ``atexit`` handler that runs while threads may
-still take the GIL: it destroys torch.distributed's groups, drops every reference that
-zpp's transports hold to a process group or a work in flight, and collects garbage, which
-destroys the groups (torch releases the GIL in a group's destructor) and joins their
-workers. Works still in flight then complete first (every rank exits the same way; after a
-failure they fail within the timeout). This happens whether or not the program called
-``destroy_process_group`` itself.
+still take the GIL: it destroys torch.distributed's groups and drops every reference that
+zpp's transports hold to a process group or a work in flight, which destroys the groups
+(torch releases the GIL in a group's destructor) and joins their workers. Works still in
+flight complete first (every rank exits the same way; after a failure they fail within the
+timeout). This happens whether or not the program called ``destroy_process_group`` itself.
+A group the program itself still holds (e.g. from ``zpp.comm.new_group``) lives on to the
+end, as it would without zpp.
 
 MPI. A communicator whose collective timed out cannot be used or finalized (``MPI_Finalize``
 would wait for the silent peer forever, and the job would never exit); the same holds for
 a torch world started by mpiexec, whose rendezvous initialized MPI (mpi4py finalizes it at
 exit). The first transport registers an ``atexit`` handler: if a world of this process is
-broken and MPI is initialized, it tells the other ranks
-over the fault channel that it is exiting, waits until every rank that reported the fault
-has done the same (at most ``EXIT_GRACE_S``), so each has printed its error, and calls
-``MPI_Abort(COMM_WORLD, 1)``: the launcher ends every rank, stopped ones included, and the
-job exits with a non-zero code.
+broken and MPI is initialized, it tells the other ranks over the fault channel that it is
+exiting, waits until every rank that reported the fault has done the same (at most
+``EXIT_GRACE_S``), so each has printed its error, and calls ``MPI_Abort(COMM_WORLD, 1)``:
+the launcher ends every rank, stopped ones included, and the job exits with a non-zero
+code.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import sys
 import weakref
 from typing import Any
@@ -78,10 +78,8 @@ def close_torch_groups() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    for t in live:
+    for t in live:  # the groups' last references: each is destroyed here, joining its workers
         t.release()
-    del live
-    gc.collect()
 
 
 def _abort_broken_mpi() -> None:
