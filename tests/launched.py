@@ -14,10 +14,11 @@ it keeps each process's own exit code and output, since what is tested is how a 
 * "mpiexec": ``mpiexec -n N``; ``codes`` is mpiexec's; its MPICH segments are watched and
   removed afterwards (:class:`zpp.comm.mpi_shm.ShmWatch`), as zpp's launchers do.
 
-Every process carries ``ZPP_LAUNCH_ID=<id>`` in its environment. After ``wait_s`` the
-processes still alive are reported in ``alive_at_deadline`` and killed (a stopped rank is
-the launcher's to end; ``spawn`` plays the launcher). ``leftovers`` then lists the
-processes of the run still alive and the MPICH segments it left.
+Every process carries ``ZPP_LAUNCH_ID=<id>`` in its environment and ``TMPDIR`` pointing to a
+fresh directory. After ``wait_s`` the processes still alive are reported in
+``alive_at_deadline`` and killed (a stopped rank is the launcher's to end; ``spawn`` plays
+the launcher). ``leftovers`` then lists the processes of the run still alive, the MPICH
+segments it left, and what it left in its ``TMPDIR`` (but for torch's own ``TORCH_TMP``).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ from zpp.comm.mpi_shm import ShmWatch, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "ZPP_LAUNCH_ID"
+#: TMPDIR entries torch and torchrun make and keep by design (not counted as leftovers)
+TORCH_TMP = ("torchelastic_", "torchinductor_")
 # launcher variables of the test process must not reach the ranks
 _STRIP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
           "ZPP_RANKS_PER_NODE", "ZPP_COMM_BACKEND", "ZPP_TIMEOUT_S", "ZPP_TUNE_FILE", "TORCHELASTIC_RUN_ID")
@@ -106,7 +109,9 @@ def launch(kind: str, nprocs: int, scenario: str, outdir: Path, *, env: dict[str
     ``until_results``, the run is over once those ranks have written their records and
     their processes ended (the others are then ended, as a launcher would)."""
     run_id = uuid.uuid4().hex
-    base = _base_env(env, run_id)
+    tmpdir = outdir / "tmp"
+    tmpdir.mkdir()
+    base = _base_env({"TMPDIR": str(tmpdir), **(env or {})}, run_id)
     # the worker by path, so that PYTHONPATH alone decides which zpp it imports (a baseline tree)
     worker = [sys.executable, str(ROOT / "tests" / "fault_worker.py"), scenario, str(outdir)]
     logs = [outdir / f"out{i}.log" for i in range(nprocs if kind == "spawn" else 1)]
@@ -171,6 +176,9 @@ def launch(kind: str, nprocs: int, scenario: str, outdir: Path, *, env: dict[str
     leftovers = [f"pid {p}" for p in marked_pids(run_id)]
     if watch is not None:
         leftovers += [s for s in sorted(watch.seen) if os.path.exists(s)]
+    # torch's own, by design: torchrun's per-run log directory and the inductor cache directory
+    ours = [p for p in sorted(tmpdir.iterdir()) if not p.name.startswith(TORCH_TMP)]
+    leftovers += [str(p) for p in ours]
     output = ""
     for f in files:
         f.flush()

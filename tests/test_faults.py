@@ -3,7 +3,7 @@
 Each test runs tests/fault_worker.py as a job (tests/launched.py: plain processes with
 torchrun's variables, torchrun, or mpiexec) and checks the error type on each rank, the
 time from the fault to the error, the exit codes, and that no process or MPICH segment of
-the job is left. Timeouts are 8 s (``zpp.timeout_s``): short, yet above the start-up spread
+the job is left (nor a file in its TMPDIR). Timeouts are 8 s (``zpp.timeout_s``): short, yet above the start-up spread
 of ranks on a loaded 2-core machine, which the rendezvous also waits out.
 """
 from __future__ import annotations
@@ -148,6 +148,7 @@ def test_silent_rank_is_named(kind, mode, tmp_path):
     else:
         assert run.codes[0] not in (0, None), run.codes  # aborted, by itself (not at the deadline)
         assert "MPI_Abort" in run.output
+        assert run.shm_removed, "an aborted MPICH job leaves its segment; the launcher's watch removes it"
         assert run.ended[0] - max(run.results[r]["t"] for r in (0, 2)) < EXIT_S, run.ended
     _clean(run)
 
@@ -170,10 +171,12 @@ def test_rank_dies_before_rendezvous(kind, dead, tmp_path):
         assert run.codes[dead] == 3 and all(run.codes[r] == 1 for r in others), run.codes
         for r in others:
             rec = run.results[r]
-            assert rec["error"] == "TimeoutError", rec
-            if dead == 0:
-                assert "could not reach the store" in rec["message"] and "hosted by rank 0" in rec["message"], rec
+            if dead == 0:  # connecting in vain until the timeout, or (when the connect raced with
+                # the port, e.g. a socket connected to itself) a closed connection at once
+                assert rec["error"] in ("TimeoutError", "ConnectionError"), rec
+                assert "store" in rec["message"] and "hosted by rank 0" in rec["message"], rec
             else:
+                assert rec["error"] == "TimeoutError", rec
                 assert f"rank {dead} of 3 never joined" in rec["message"], rec
     else:
         assert run.codes[0] not in (0, None), run.codes

@@ -20,6 +20,14 @@
 
 With ``init_method`` (``tcp://``, ``file://``), torch's own rendezvous runs instead, with
 the same timeout.
+
+[Note: who never joined]
+Rank 0 hosts the store (but under torchrun), so when it gives up and exits the store goes
+with it, and a rank still waiting would only see a closed connection. So rank 0, at its
+deadline, writes the verdict (the ranks that never joined) into the store and stays until
+every rank that joined has read it (at most ``_VERDICT_WAIT_S``); the other ranks wait up
+to that much past their own deadline for the verdict, and raise the same ``TimeoutError``.
+A rank whose store connection fails raises ``ConnectionError`` naming the store's host.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from zpp.comm.launch import Launch, RendezvousPoint, detect, rendezvous_point
 __all__ = ["init_torch_world"]
 
 _JOINS = [0]  # rendezvous made by this process; keys of each are apart
+_VERDICT_WAIT_S = 5.0  # see [Note: who never joined]
 
 
 def init_torch_world(backend: str, timeout_s: float, env: Mapping[str, str], *, launch: Launch | None = None,
@@ -81,39 +90,60 @@ def _open_store(point: RendezvousPoint, env: Mapping[str, str], timeout_s: float
         if point.rank == 0 and not agent:
             raise OSError(f"rendezvous: rank 0 could not open the store at {point.addr}:{point.port} "
                           f"({point.source}): {first}") from e
-        raise TimeoutError(
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        raise (TimeoutError if timed_out else ConnectionError)(
             f"rendezvous: rank {point.rank} could not reach the store at {point.addr}:{point.port} "
-            f"({point.source}), hosted by {host}, within {timeout_s:g} s: {first}") from e
+            f"({point.source}), hosted by {host}" + (f", within {timeout_s:g} s" if timed_out else "")
+            + f": {first}") from e
 
 
 def _join(store: dist.Store, point: RendezvousPoint, env: Mapping[str, str], timeout_s: float) -> None:
-    """Announce this rank, wait for all; name the absent ones after ``timeout_s``."""
+    """Announce this rank, wait for all; name the absent ones after ``timeout_s``. See
+    [Note: who never joined]."""
     _JOINS[0] += 1
     prefix = f"zpp/join/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_JOINS[0]}"
     n = point.world_size
+    agent = _agent_store(env)
+    host = "torchrun's agent" if agent else "rank 0"
+    decides = agent or point.rank == 0  # the store outlives this rank: it may decide and leave
     deadline = time.monotonic() + timeout_s
     pause = 0.01
-    with _timeouts(f"rendezvous at {point.addr}:{point.port}", timeout_s):
+    with _timeouts(f"rendezvous at {point.addr}:{point.port}", timeout_s, store_host=host):
         store.set(f"{prefix}/rank{point.rank}", "1")
         joined = store.add(f"{prefix}/count", 1)
-        while joined < n and time.monotonic() < deadline:
+        while joined < n:
+            if time.monotonic() > deadline + (0 if decides else _VERDICT_WAIT_S):
+                break
+            if not decides and store.check([f"{prefix}/verdict"]):
+                break
             time.sleep(pause)
             pause = min(pause * 2, 0.25)
             joined = store.add(f"{prefix}/count", 0)
         if joined >= n:
             return
-        absent = [r for r in range(n) if not store.check([f"{prefix}/rank{r}"])]
-    who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
-    raise TimeoutError(
-        f"rendezvous at {point.addr}:{point.port} ({point.source}): rank {point.rank} waited {timeout_s:g} s; "
-        f"{who} of {n} never joined (died before the rendezvous, or never started)")
+        if store.check([f"{prefix}/verdict"]):
+            verdict = store.get(f"{prefix}/verdict").decode()
+            store.add(f"{prefix}/acks", 1)
+        else:
+            absent = [r for r in range(n) if not store.check([f"{prefix}/rank{r}"])]
+            who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
+            verdict = f"{who} of {n} never joined (died before the rendezvous, or never started)"
+            if not agent and point.rank == 0:  # keep the store up until the others have read it
+                store.set(f"{prefix}/verdict", verdict)
+                present = n - len(absent)
+                until = time.monotonic() + _VERDICT_WAIT_S
+                while store.add(f"{prefix}/acks", 0) < present - 1 and time.monotonic() < until:
+                    time.sleep(0.05)
+    raise TimeoutError(f"rendezvous at {point.addr}:{point.port} ({point.source}): rank {point.rank} waited "
+                       f"{timeout_s:g} s; {verdict}")
 
 
 class _timeouts:
-    """Re-raise torch's timeouts inside the block as ``TimeoutError`` naming ``what``."""
+    """Re-raise torch's timeouts inside the block as ``TimeoutError`` naming ``what``; with
+    ``store_host``, a store whose connection fails as ``ConnectionError`` naming its host."""
 
-    def __init__(self, what: str, timeout_s: float) -> None:
-        self.what, self.timeout_s = what, timeout_s
+    def __init__(self, what: str, timeout_s: float, store_host: str | None = None) -> None:
+        self.what, self.timeout_s, self.store_host = what, timeout_s, store_host
 
     def __enter__(self) -> None:
         return None
@@ -122,9 +152,12 @@ class _timeouts:
         if exc is None or isinstance(exc, TimeoutError) or not isinstance(exc, RuntimeError):
             return False
         text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
         if "timeout" in text.lower() or "timed out" in text.lower():
-            raise TimeoutError(f"{self.what}: no answer within {self.timeout_s:g} s "
-                               f"({text.splitlines()[0]})") from exc
+            raise TimeoutError(f"{self.what}: no answer within {self.timeout_s:g} s ({first})") from exc
+        if self.store_host is not None and isinstance(exc, getattr(dist, "DistNetworkError", ())):
+            raise ConnectionError(f"{self.what}: lost the connection to the store, hosted by {self.store_host} "
+                                  f"({first})") from exc
         return False
 
 
