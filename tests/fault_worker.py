@@ -17,6 +17,11 @@ its transport, for ``exit``): ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itsel
 rendezvous). Before misbehaving it writes OUTDIR/fault.json (the time); every other rank
 writes OUTDIR/rank<R>.json: what it saw (error type and message, the time) or its results,
 then re-raises its error, as a user's script would.
+
+Every scenario ends the way a script does: its last collective (snippet: the quantized
+all-gather; train: the last step) runs after the record is written, and the process exits
+right after it. That is the window of the exit abort of [Note: clean exit] in
+zpp/comm/teardown.py (a record written after the last collective closes it, and hides it).
 """
 from __future__ import annotations
 
@@ -74,14 +79,19 @@ def snippet() -> dict:
     quantized_reduce_scatter(grad_shard, grad, topology=topo, bits=4)
     print(f"rank={world.rank} world_size={world.world_size}", flush=True)
     want = torch.arange(world.world_size, dtype=torch.float32).repeat_interleave(1000)
-    ending = os.environ.get("ZPP_EXIT", "")
-    if ending == "inflight":  # exit with an all-gather started and never waited
-        world.all_gather_async(torch.empty((1 << 20) * world.world_size), torch.ones(1 << 20))
-    elif ending == "destroy" and world.name == "torch":
-        torch.distributed.destroy_process_group()
-    return {"rank": world.rank, "world_size": world.world_size, "backend": world.name,
-            "chosen_by": getattr(world, "chosen_by", ""), "gather_ok": bool(torch.allclose(out, want, atol=0.02)),
-            "reduce_ok": bool(torch.allclose(grad_shard, torch.ones(1000), atol=0.1))}
+    record = {"rank": world.rank, "world_size": world.world_size, "backend": world.name,
+              "chosen_by": getattr(world, "chosen_by", ""), "gather_ok": bool(torch.allclose(out, want, atol=0.02)),
+              "reduce_ok": bool(torch.allclose(grad_shard, torch.ones(1000), atol=0.1))}
+
+    def last() -> None:
+        quantized_all_gather(out, shard, transport=world, bits=8)
+        ending = os.environ.get("ZPP_EXIT", "")
+        if ending == "inflight":  # exit with an all-gather started and never waited
+            world.all_gather_async(torch.empty((1 << 20) * world.world_size), torch.ones(1 << 20))
+        elif ending == "destroy" and world.name == "torch":
+            torch.distributed.destroy_process_group()
+
+    return record, last
 
 
 def train(outdir: Path, rank: int, fault: tuple[str, int, int] | None) -> dict:
@@ -103,18 +113,24 @@ def train(outdir: Path, rank: int, fault: tuple[str, int, int] | None) -> dict:
     world = engine.world
     g = torch.Generator().manual_seed(100 + world.rank)
     losses = []
-    for step in range(int(os.environ.get("ZPP_FAULT_STEPS", "3"))):
-        if fault is not None and fault[1] == rank and fault[2] == step:
+
+    def step(i: int) -> None:
+        if fault is not None and fault[1] == rank and fault[2] == i:
             _misbehave(outdir, fault[0])
         x = torch.randn(8, 16, generator=g)
         loss = torch.nn.functional.mse_loss(engine(x), torch.zeros(8, 4))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+
+    steps = int(os.environ.get("ZPP_FAULT_STEPS", "3"))
+    for i in range(steps - 1):
+        step(i)
     state = engine.consolidated_state_dict()  # the same on every rank of one world
     checksum = float(sum(v.double().sum() for v in state.values()))
-    return {"rank": world.rank, "world_size": world.world_size, "backend": world.name,
-            "chosen_by": getattr(world, "chosen_by", ""), "losses": losses, "checksum": checksum}
+    record = {"rank": world.rank, "world_size": world.world_size, "backend": world.name,
+              "chosen_by": getattr(world, "chosen_by", ""), "losses": losses, "checksum": checksum}
+    return record, lambda: step(steps - 1)
 
 
 def dist_api() -> dict:
@@ -130,9 +146,10 @@ def dist_api() -> dict:
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     b = torch.full((2,), float(r))
     dist.broadcast(b, src=n - 1)
-    return {"rank": r, "world_size": n, "local_rank": dist.get_local_rank(), "backend": str(torch.distributed.get_backend()),
-            "avg": t.tolist(), "bcast": b.tolist(), "env_local_rank": os.environ.get("LOCAL_RANK"),
-            "env_world_size": os.environ.get("WORLD_SIZE")}
+    record = {"rank": r, "world_size": n, "local_rank": dist.get_local_rank(),
+              "backend": str(torch.distributed.get_backend()), "avg": t.tolist(), "bcast": b.tolist(),
+              "env_local_rank": os.environ.get("LOCAL_RANK"), "env_world_size": os.environ.get("WORLD_SIZE")}
+    return record, lambda: dist.barrier()
 
 
 def main(argv: list[str]) -> None:
@@ -148,17 +165,18 @@ def main(argv: list[str]) -> None:
         _misbehave(outdir, "exit")
     try:
         if scenario == "snippet":
-            record = snippet()
+            record, last = snippet()
         elif scenario == "train":
-            record = train(outdir, rank, fault)
+            record, last = train(outdir, rank, fault)
         elif scenario == "dist":
-            record = dist_api()
+            record, last = dist_api()
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
+        _write(outdir, rank, {**record, "t": time.time()})
+        last()  # the script's last collective; the process exits right after it
     except Exception as e:
         _write(outdir, rank, {"rank": rank, "error": type(e).__name__, "message": str(e), "t": time.time()})
         raise
-    _write(outdir, rank, {**record, "t": time.time()})
 
 
 if __name__ == "__main__":
