@@ -102,10 +102,9 @@ class FaultChannel:
         self.host = socket.gethostname()
         self.peers: list[tuple[str, list[str], int]] = []  # (hostname, addresses, port) per rank
         self.broken: str | None = None
-        self.first: Fault | None = None
         self.reports: dict[int, dict] = {}
         self.exiting: set[int] = set()
-        self.window_s = REPORT_WINDOW_S  # the window of the last report, for messages
+        self.window_s = REPORT_WINDOW_S  # the window of the exchange, for messages
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -146,10 +145,9 @@ class FaultChannel:
         reports so far, no waiting."""
         if window_s is None:
             window_s = REPORT_WINDOW_S if fault.kind == "timeout" else CLOSED_WINDOW_S
-        self.window_s = window_s
         if self.broken is None:
             self.broken = fault.where() + (" timed out" if fault.kind == "timeout" else " lost a peer")
-            self.first = fault
+            self.window_s = window_s
             self._exchange({"op": fault.op, "call": fault.call, "group": list(fault.group), "kind": fault.kind,
                             "waited": round(fault.waited_s, 3)}, window_s)
         else:
