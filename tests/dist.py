@@ -14,7 +14,9 @@ Each rank builds its transport with ``zpp.comm.registry.get_transport(backend)``
 pickles its outcome into RESULTDIR. The first rank error (by time) is re-raised here, chained
 to a :class:`RankError` holding that rank's traceback and a line per other rank; a world
 that outlives ``timeout`` seconds is killed (every rank's process group and descendants) and
-the test fails with :class:`WorldTimeout`. Each rank runs with one intra-op thread.
+the test fails with :class:`WorldTimeout`. Each rank runs with one intra-op thread. An MPI
+world's leftover MPICH shared-memory segments are removed when it ends
+(:class:`zpp.comm.mpi_shm.ShmWatch`); ``world.shm_removed`` lists them.
 
 Start-up: a fresh interpreter needs 2-3 s per rank to import torch. Under mpiexec every rank
 pays it; the torch launcher uses multiprocessing's "forkserver" context with torch and zpp
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from zpp.comm.mpi_shm import ShmWatch, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 START_METHOD = os.environ.get("ZPP_TEST_START_METHOD", "forkserver")
@@ -98,9 +102,11 @@ def lose_peer(t: Any, mode: str, timeout_s: float, call: Callable[[], Any]) -> t
 
 def assert_peers_saw_loss(results: list, timeout_s: float, sockets_close: bool) -> None:
     """:func:`lose_peer`'s results on a 3-rank world: rank 1 left; ranks 0 and 2 raised within
-    ``timeout_s + 4`` seconds, naming their rank, a TimeoutError after at least
-    ``timeout_s - 0.5`` s, or, where the lost peer's sockets close (``sockets_close``), a
-    ConnectionError or TimeoutError at any time."""
+    ``timeout_s + 4`` seconds plus the fault channel's report window, naming their rank, a
+    TimeoutError after at least ``timeout_s - 0.5`` s, or, where the lost peer's sockets close
+    (``sockets_close``), a ConnectionError or TimeoutError at any time."""
+    from zpp.comm.faults import REPORT_WINDOW_S
+
     assert results[1] is None
     for rank in (0, 2):
         kind, elapsed, msg = results[rank]
@@ -109,7 +115,7 @@ def assert_peers_saw_loss(results: list, timeout_s: float, sockets_close: bool) 
         else:
             assert kind == "TimeoutError", (rank, kind, msg)
             assert elapsed >= timeout_s - 0.5, (rank, elapsed)
-        assert elapsed < timeout_s + 4, (rank, elapsed)
+        assert elapsed < timeout_s + REPORT_WINDOW_S + 4, (rank, elapsed)
         assert f"rank {rank}" in msg, msg
 
 
@@ -278,6 +284,7 @@ class _MpiWorld:
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
+        self.shm = ShmWatch(self.proc.pid).__enter__()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -301,6 +308,8 @@ class _MpiWorld:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        self.shm.stop()
+        self.shm.clean()
         self.text = self.output()
         self.log.close()
         if self.text.strip():
@@ -416,7 +425,7 @@ def _free_port() -> int:
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid``'s process group and every descendant of ``pid`` (hydra proxies may
     put ranks in groups of their own)."""
-    victims = [pid, *_descendants(pid)]
+    victims = [pid, *descendants(pid)]
     try:
         if os.getpgid(pid) == pid:  # only a group the rank leads: never the test process's own
             os.killpg(pid, signal.SIGKILL)
@@ -427,22 +436,3 @@ def _kill_tree(pid: int) -> None:
             os.kill(v, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for c in children.get(stack.pop(), []):
-            found.append(c)
-            stack.append(c)
-    return found

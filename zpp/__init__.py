@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 #: name -> "module:attribute" (or "module" for a submodule), imported on first access.
 _LAZY = {
     "initialize": "zpp.zero:initialize",
+    "init_distributed": "zpp.comm.dist:init_distributed",
     "DeepSpeedEngine": "zpp.zero:ZeroEngine",
     "add_config_arguments": "zpp.arguments:add_config_arguments",
     "get_accelerator": "zpp.accelerator:get_accelerator",

@@ -135,8 +135,6 @@ def _run_launched(args: argparse.Namespace, cfg: BenchConfig, where: _launch.Lau
             parser.error(f"the {where.kind} world of {where.world_size} ranks is not divisible by "
                          f"--ranks-per-node {args.ranks_per_node}")
         os.environ["ZPP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-    if backend == "torch" and where.kind == "mpi":
-        _launch.torch_env_from_mpi(where)
     try:
         return run_rank(cfg, backend, (args.json, args.plot))
     except Exception:

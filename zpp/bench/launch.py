@@ -6,23 +6,23 @@
     mpiexec -n 4 zpp bench --backend torch        # torch.distributed, ranks from the MPI launch
     torchrun --nproc-per-node 4 -m zpp bench      # torch.distributed
 
-* Under ``mpiexec``/``mpirun`` (MPICH hydra sets ``PMI_RANK``/``PMI_SIZE``, Open MPI
-  ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``) the launcher's world is used; with the
-  torch backend :func:`torch_env_from_mpi` derives ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
-  and ``LOCAL_WORLD_SIZE`` from the MPI variables, and ``MASTER_ADDR``/``MASTER_PORT``
-  default to 127.0.0.1:29500.
-* Under torchrun (``RANK`` and ``WORLD_SIZE`` set) the torch backend is used.
+* The launcher is found by the library's :func:`zpp.comm.launch.detect` (MPICH/hydra,
+  Open MPI, MVAPICH, PMIx, srun, torchrun). Under an MPI launcher the launcher's world is
+  used, with the MPI transport unless ``--backend torch``; the torch transport then builds
+  its world from the launcher's numbering (see [Note: rendezvous of a torch world under an
+  MPI launcher or srun] in :mod:`zpp.comm.launch`).
+* Under torchrun or srun the torch backend is used.
 * Alone, :func:`spawn` starts the ranks with multiprocessing (forkserver, torch preloaded;
   spawn where there is none), a free port on
   127.0.0.1, ``OMP_NUM_THREADS=1``, ``ZPP_RANKS_PER_NODE`` for the emulated nodes and a
   hard timeout; a failing rank's traceback is reported and the others are stopped.
-  :func:`reexec_under_mpiexec` does the same through ``mpiexec -n N``.
+  :func:`reexec_under_mpiexec` does the same through ``mpiexec -n N``, and removes the
+  MPICH shared-memory segments that job leaves behind (:mod:`zpp.comm.mpi_shm`).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -34,57 +34,16 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Literal
 
-__all__ = ["Launch", "detect", "reexec_under_mpiexec", "spawn", "torch_env_from_mpi"]
+from zpp.comm.launch import Launch, detect
+from zpp.comm.mpi_shm import ShmWatch
+
+__all__ = ["Launch", "detect", "reexec_under_mpiexec", "spawn"]
 
 #: Set on the ranks that :func:`reexec_under_mpiexec` starts.
 CHILD_MARKER = "ZPP_BENCH_CHILD"
 TIMEOUT_EXIT = 124
 _GRACE_S = 10.0  # how long the other ranks may finish after one fails
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Launch:
-    kind: Literal["mpi", "torchrun", "alone"]
-    rank: int
-    world_size: int
-    local_rank: int | None = None
-    local_size: int | None = None
-    """Ranks on this node, where the launcher says."""
-
-
-_MPI_VARS = (  # rank, size, local rank, local size
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
-)
-
-
-def _int(env: Mapping[str, str], key: str) -> int | None:
-    value = env.get(key)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
-
-
-def detect(env: Mapping[str, str] | None = None) -> Launch:
-    """Which launcher started this process (torchrun first: it may run under a batch
-    system that sets PMI variables)."""
-    env = os.environ if env is None else env
-    torchrun = "RANK" in env and "WORLD_SIZE" in env
-    if torchrun and "TORCHELASTIC_RUN_ID" in env:
-        return _torchrun(env)
-    for rank, size, local_rank, local_size in _MPI_VARS:
-        if rank in env and size in env:
-            return Launch("mpi", _int(env, rank), _int(env, size), _int(env, local_rank),
-                          _int(env, local_size))
-    if torchrun:
-        return _torchrun(env)
-    return Launch("alone", 0, 1)
 
 
 def detect_for(parser: argparse.ArgumentParser) -> Launch:
@@ -94,24 +53,6 @@ def detect_for(parser: argparse.ArgumentParser) -> Launch:
         return detect()
     except ValueError as e:
         parser.error(str(e))
-
-
-def _torchrun(env: Mapping[str, str]) -> Launch:
-    return Launch("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
-                  _int(env, "LOCAL_WORLD_SIZE"))
-
-
-def torch_env_from_mpi(launch: Launch, env: dict | None = None) -> None:
-    """torch.distributed's variables from an MPI launch (user-set MASTER_* win)."""
-    env = os.environ if env is None else env
-    env["RANK"] = str(launch.rank)
-    env["WORLD_SIZE"] = str(launch.world_size)
-    if launch.local_rank is not None:
-        env["LOCAL_RANK"] = str(launch.local_rank)
-    if launch.local_size is not None:
-        env["LOCAL_WORLD_SIZE"] = str(launch.local_size)
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", "29500")
 
 
 def free_port() -> int:
@@ -266,16 +207,17 @@ def reexec_under_mpiexec(argv: list[str], *, nprocs: int, ranks_per_node: int, t
     env = {**os.environ, "ZPP_RANKS_PER_NODE": str(ranks_per_node), "OMP_NUM_THREADS": "1",
            CHILD_MARKER: "1"}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        print(f"zpp bench: timed out after {timeout:g} s under {' '.join(cmd[:3])}; "
-              f"raise --timeout or use smaller --sizes", file=sys.stderr)
-        return TIMEOUT_EXIT
-    except KeyboardInterrupt:
-        _kill_group(proc)
-        return 130
+    with ShmWatch(proc.pid):  # the segments of a killed job: see zpp.comm.mpi_shm
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            print(f"zpp bench: timed out after {timeout:g} s under {' '.join(cmd[:3])}; "
+                  f"raise --timeout or use smaller --sizes", file=sys.stderr)
+            return TIMEOUT_EXIT
+        except KeyboardInterrupt:
+            _kill_group(proc)
+            return 130
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -16,7 +16,9 @@ stdout, all stderr, launcher messages) goes to our stderr, each line prefixed ``
 
 Every process of a run carries ``ZPP_CLUSTER_RUN_ID`` in its environment; when the run ends
 (normally, on timeout, on Ctrl-C, or after a rank failed) any process inside the node
-namespaces still carrying that id is killed, so nothing of the run outlives it.
+namespaces still carrying that id is killed, so nothing of the run outlives it; then the
+MPICH shared-memory segments that an mpi run's ranks mapped are removed
+(:class:`zpp.comm.mpi_shm.ShmWatch`), since a killed MPI job leaves them in /dev/shm.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import threading
 import time
 import uuid
 from typing import IO, Sequence
+
+from zpp.comm.mpi_shm import ShmWatch
 
 from . import netns
 from .netns import ClusterError, PrerequisiteError
@@ -417,6 +421,7 @@ def run(
     def env_args(d: dict[str, str]) -> list[str]:
         return [f"{k}={v}" for k, v in d.items()]
 
+    watches: list[ShmWatch] = []
     try:
         if backend == "torch":
             port = master_port or free_port(namespaces[0])
@@ -452,9 +457,12 @@ def run(
             _drain(jobs)
             return code
         return _run_mpi(cmd, nodes, ranks_per_node, namespaces, timeout, out, err, lock,
-                        {**common, **extra})
+                        {**common, **extra}, watches)
     finally:
         _kill_run_leftovers(run_id, namespaces)
+        for watch in watches:  # after the leftovers: nothing of the run maps them any more
+            watch.stop()
+            watch.clean()
 
 
 def _drain(jobs: Sequence[_Job], wait: float = 2.0) -> None:
@@ -481,6 +489,7 @@ def _run_mpi(
     err: IO[str],
     lock: threading.Lock,
     env: dict[str, str],
+    watches: list[ShmWatch],
 ) -> int:
     mpiexec = find_mpiexec()
     world = nodes * ranks_per_node
@@ -514,6 +523,7 @@ def _run_mpi(
         tail = _FileTail(sinks)
         tail.start()
         job = _Job("mpiexec", argv, _Sink(err, lock, "mpiexec"), _Sink(err, lock, "mpiexec"))
+        watches.append(ShmWatch(job.proc.pid).__enter__())
         code = _supervise([job], timeout, err, lock)
         _drain([job])
         return code

@@ -26,15 +26,19 @@ MPI's blocking collectives wait forever for a peer that died without taking the 
 (a launcher that does not kill the job, a rank stuck elsewhere). Every collective here is
 therefore the non-blocking one (``Iallgather``, ``Ialltoall``, ``Iallreduce``,
 ``Ireduce_scatter_block``, ``Ibcast``, ``Ibarrier``) polled with ``Test()`` until
-``timeout_s`` passes, then ``TimeoutError`` names the op and the rank. ``all_gather_async``
+``timeout_s`` passes (see :mod:`zpp.comm.timeout`), then the fault channel names the call
+and the ranks that did not report ([Note: fault reports] in :mod:`zpp.comm.faults`) in a
+``TimeoutError``. ``all_gather_async``
 starts the ``Iallgather`` and polls it the same way in ``Work.wait()``, the ``timeout_s``
 counted from the call of ``wait()``; other collectives polled meanwhile also progress it. Polling yields the
 CPU between tests (``sleep(0)`` at first, then ``poll_interval_s``): on an oversubscribed
 machine this was faster than MPICH's busy-waiting ``Wait``. A collective cannot be
 cancelled, so after a timeout the request and its buffers are kept alive (MPI may still
-write into them) and the transport refuses further calls: abort the job. Note that hydra's
+write into them), every transport of the world refuses further calls, and at interpreter
+exit the job is aborted (``MPI_Abort``; see [Note: clean exit] in :mod:`zpp.comm.teardown`),
+since ``MPI_Finalize`` would wait for the silent peer forever. Note that hydra's
 ``mpiexec`` kills the whole job when a rank *exits* without ``MPI_Finalize``; the timeout
-covers ranks that hang or finalize early.
+covers ranks that hang, stop, or finalize early.
 
 [Note: MPI ring reduce-scatter]
 MPICH's ``Ireduce_scatter_block`` reached only 0.68 of a 100 Mbit node link on an emulated
@@ -61,13 +65,15 @@ from typing import Any
 
 import torch
 
+from zpp.comm import mpi_init, teardown
 from zpp.comm.counters import WireCounters
+from zpp.comm.faults import FaultChannel
 from zpp.comm.ring import ring_order, ring_reduce_scatter
+from zpp.comm.timeout import resolve_timeout
 from zpp.comm.topology import agree_on_layout
 from zpp.comm.transport import Transport, Work
 
 CUDA_AWARE_ENV = "ZPP_MPI_CUDA_AWARE"
-DEFAULT_TIMEOUT_S = 300.0
 _HALF = (torch.float16, torch.bfloat16)
 _SPIN_POLLS = 200  # polls with sleep(0) before sleeping poll_interval_s
 #: "0" (or false/no/off) makes reduce_scatter use MPICH's own; see [Note: MPI ring reduce-scatter].
@@ -83,9 +89,7 @@ def ring_from_env(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def _mpi():
-    from mpi4py import MPI
-
-    return MPI
+    return mpi_init.mpi()
 
 
 class MpiTransport(Transport):
@@ -98,11 +102,12 @@ class MpiTransport(Transport):
         counters: shared wire-byte counters (Default: new ones).
         check_metadata: see [Note: metadata check] (Default: True).
         timeout_s: seconds a collective waits for its peers before ``TimeoutError``
-            (Default: 300); see [Note: MPI timeouts].
+            (Default: ``$ZPP_TIMEOUT_S``, else 300); see [Note: MPI timeouts].
         cuda_aware: hand CUDA pointers to MPI instead of staging through host memory
             (Default: False).
         poll_interval_s: sleep between ``Test()`` polls once the first quick polls are
             spent (Default: 1e-4).
+        faults: the world's fault channel (Default: none); see [Note: MPI timeouts].
     """
 
     name = "mpi"
@@ -120,14 +125,16 @@ class MpiTransport(Transport):
         nodes: Sequence[int] | None = None,
         counters: WireCounters | None = None,
         check_metadata: bool = True,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         cuda_aware: bool = False,
         poll_interval_s: float = 1e-4,
         ring: bool | None = None,
+        faults: FaultChannel | None = None,
     ) -> None:
         MPI = _mpi()
-        if timeout_s <= 0 or poll_interval_s < 0:
-            raise ValueError(f"MpiTransport: {timeout_s=} must be > 0 and {poll_interval_s=} >= 0")
+        timeout_s = resolve_timeout(timeout_s)
+        if poll_interval_s < 0:
+            raise ValueError(f"MpiTransport: {poll_interval_s=} must be >= 0")
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         size = self.comm.Get_size()
         if ranks is None:
@@ -153,15 +160,16 @@ class MpiTransport(Transport):
             torch.uint8: MPI.UINT8_T, torch.int8: MPI.INT8_T,
             torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
         }
-        self._broken: str | None = None
         self._orphans: list[tuple[Any, tuple]] = []  # (request, buffers) abandoned at a timeout
+        self.faults = faults
+        teardown.track_mpi(self)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def init(
         cls,
         comm: Any = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         *,
         cuda_aware: bool | None = None,
         env: Mapping[str, str] = os.environ,
@@ -173,13 +181,14 @@ class MpiTransport(Transport):
         Args:
             comm: the communicator (Default: ``MPI.COMM_WORLD``, checked against the
                 environment's WORLD_SIZE / RANK so a torchrun-started job fails clearly).
-            timeout_s: see [Note: MPI timeouts] (Default: 300).
+            timeout_s: see [Note: MPI timeouts] (Default: ``$ZPP_TIMEOUT_S`` of ``env``, else 300).
             cuda_aware: see [Note: MPI buffers] (Default: ``ZPP_MPI_CUDA_AWARE=1`` in ``env``).
             env: the environment to read (Default: ``os.environ``); the node layout comes
                 from :meth:`~zpp.comm.topology.Layout.from_env`, MPI's shared-memory split
                 when the environment does not say.
         """
-        MPI = _mpi()
+        timeout_s = resolve_timeout(timeout_s, env)
+        MPI = mpi_init.mpi(timeout_s)  # MPI_Init, bounded too: see zpp.comm.mpi_init
         if comm is None:
             comm = MPI.COMM_WORLD
             _check_launcher(comm.Get_size(), comm.Get_rank(), env)
@@ -190,6 +199,7 @@ class MpiTransport(Transport):
             cuda_aware=cuda_aware, poll_interval_s=poll_interval_s,
         )
         world.nodes = tuple(agree_on_layout(world, env, mpi_comm=comm).node_list())
+        world.faults = FaultChannel.open(world)
         return world
 
     # ------------------------------------------------------------------ collectives
@@ -208,9 +218,10 @@ class MpiTransport(Transport):
         staged = not (self.cuda_aware or (out.device.type == "cpu" and inp.device.type == "cpu"))
         o, i = (out.cpu(), inp.cpu()) if staged else (out, inp)
         req = self._start("all_gather", lambda: self.comm.Iallgather(self._buf(i), self._buf(o)), (o, i))
+        call = self._calls
 
         def finish() -> None:
-            self._poll("all_gather", req, (o, i))
+            self._poll("all_gather", req, (o, i), call=call)
             if staged:
                 out.copy_(o)
 
@@ -294,6 +305,7 @@ class MpiTransport(Transport):
             self._run("broadcast", lambda: self.comm.Ibcast(self._buf(h), root=src), (h,))
 
     def barrier(self) -> None:
+        self._begin("barrier")
         self._run("barrier", self.comm.Ibarrier, ())
 
     # ------------------------------------------------------------------ sub-groups
@@ -314,6 +326,7 @@ class MpiTransport(Transport):
             cuda_aware=self.cuda_aware,
             poll_interval_s=self.poll_interval_s,
             ring=self.ring,
+            faults=self.faults,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -350,26 +363,24 @@ class MpiTransport(Transport):
 
     def _start(self, op: str, start, keep: tuple):
         """Start a non-blocking collective over the buffers ``keep``; its request."""
-        if self._broken is not None:
-            raise RuntimeError(f"{op}: MpiTransport rank {self.rank} is unusable since {self._broken}; abort the job")
+        if self.broken is not None:
+            raise RuntimeError(f"{op}: MpiTransport rank {self.rank} is unusable since {self.broken}; the job must stop")
         for t in keep:  # MPI does not know torch's streams: finish the kernels that fill t
             if t.is_cuda:
                 torch.cuda.current_stream(t.device).synchronize()
         return start()
 
-    def _poll(self, op: str, req, keep: tuple) -> None:
-        """Poll ``req`` to completion, or raise TimeoutError ``timeout_s`` from now."""
-        deadline = time.monotonic() + self.timeout_s
+    def _poll(self, op: str, req, keep: tuple, call: int | None = None) -> None:
+        """Poll ``req`` to completion, or raise TimeoutError ``timeout_s`` from now (after
+        the fault channel's exchange; see [Note: MPI timeouts])."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         polls = 0
         while not req.Test():
             if time.monotonic() > deadline:
                 self._orphans.append((req, keep))
-                self._broken = f"{op} timed out"
-                raise TimeoutError(
-                    f"{op}: MPI rank {self.rank} of {self.world_size} (COMM_WORLD rank {self.ranks[self.rank]}) "
-                    f"timed out after {self.timeout_s:g} s waiting for its peers: a peer died, hung, or "
-                    f"called a different collective. The communicator is unusable now; abort the job."
-                )
+                detail = f"MPI {op} still incomplete" if op != self._call_op else ""
+                raise self._fault("timeout", time.monotonic() - start, detail, call=call)
             polls += 1
             time.sleep(0 if polls < _SPIN_POLLS else self.poll_interval_s)
 

@@ -68,11 +68,15 @@ using gloo's own ops. NCCL, and CUDA tensors on any backend, always take the bac
 ops.
 
 [Note: dead peers]
-``timeout_s`` is handed to ``init_process_group`` and to every ``new_group``; gloo then
-raises when a peer stops answering for that long, and at once when a peer's process exits
-(its sockets close). Those two gloo errors are re-raised as ``TimeoutError`` and
-``ConnectionError`` naming the op and the rank, so callers see the same exception types as
-with the MPI transport. The process group is unusable afterwards.
+``timeout_s`` (see :mod:`zpp.comm.timeout`) bounds the rendezvous (see [Note: rendezvous] in
+:mod:`zpp.comm.rendezvous`) and is handed to ``init_process_group`` and to every
+``new_group``; gloo then raises when a peer stops answering for that long, and at once when
+a peer's process exits (its sockets close). Either error goes through the fault channel
+([Note: fault reports] in :mod:`zpp.comm.faults`) and is raised as ``TimeoutError`` or
+``ConnectionError`` naming the call and the ranks that did not report; the process groups
+are unusable afterwards, and every transport of the world refuses further calls. At exit
+the groups are torn down before the interpreter (see [Note: clean exit] in
+:mod:`zpp.comm.teardown`).
 """
 from __future__ import annotations
 
@@ -81,13 +85,20 @@ import datetime
 import inspect
 import os
 import re
+import time
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from zpp.comm import teardown
 from zpp.comm.counters import WireCounters
+from zpp.comm.faults import FaultChannel
+from zpp.comm.launch import detect
+from zpp.comm.rendezvous import export_env, init_torch_world
 from zpp.comm.ring import ring_order, ring_reduce_scatter
+from zpp.comm.timeout import resolve_timeout
 from zpp.comm.topology import agree_on_layout
 from zpp.comm.transport import Transport, Work
 
@@ -100,7 +111,6 @@ _PEER_GONE = re.compile(r"connection (closed|reset|refused)|closed by peer|broke
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-DEFAULT_TIMEOUT_S = 300.0
 #: "0" (or false/no/off) makes gloo use its own all_to_all / reduce_scatter; see [Note: gloo duplex pairs].
 DUPLEX_ENV = "ZPP_GLOO_DUPLEX"
 
@@ -142,6 +152,7 @@ class TorchTransport(Transport):
         counters: shared wire-byte counters (Default: new ones).
         check_metadata: see [Note: metadata check] (Default: True).
         timeout_s: timeout given to sub-groups this transport creates (Default: torch's).
+        faults: the world's fault channel (Default: none); see [Note: dead peers].
         prefer_single_tensor: use the single-tensor collectives where the backend has them
             (Default: True); False forces the list-based fallbacks (old backends, tests).
         gloo_duplex: on gloo with CPU tensors, run all_to_all and reduce_scatter as
@@ -161,6 +172,7 @@ class TorchTransport(Transport):
         timeout_s: float | None = None,
         prefer_single_tensor: bool = True,
         gloo_duplex: bool | None = None,
+        faults: FaultChannel | None = None,
         _reverse: _Reverse | None = None,
     ) -> None:
         if not dist.is_initialized():
@@ -183,12 +195,14 @@ class TorchTransport(Transport):
         self._native: dict[tuple[str, torch.dtype, str], bool] = {}
         self.gloo_duplex = duplex_from_env() if gloo_duplex is None else bool(gloo_duplex)
         self._reverse = _reverse if _reverse is not None else _Reverse()
+        self.faults = faults
+        teardown.track_torch(self)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def init(
         cls,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         backend: str | None = None,
         *,
         env: Mapping[str, str] = os.environ,
@@ -198,35 +212,43 @@ class TorchTransport(Transport):
         """The world transport of this job, initializing ``torch.distributed`` if needed.
 
         Args:
-            timeout_s: how long a collective waits for a silent peer before raising
-                (Default: 300). Ignored when the default group already exists.
-            backend: "gloo" (Default) or "nccl" (needs CUDA; binds the device
-                ``LOCAL_RANK``). Ignored when the default group already exists.
-            env: the environment to read (Default: ``os.environ``): RANK, WORLD_SIZE,
-                MASTER_ADDR, MASTER_PORT as torchrun sets them (without WORLD_SIZE, a
-                one-rank world), and the node layout (see :meth:`Layout.from_env`).
+            timeout_s: how long the rendezvous and every collective wait for a silent peer
+                before raising (Default: ``$ZPP_TIMEOUT_S``, else 300; see
+                :mod:`zpp.comm.timeout`). Also bounds the sub-groups zpp creates; a default
+                group made by the caller keeps its own timeout.
+            backend: "gloo" (Default) or "nccl" (needs CUDA; binds the device of the local
+                rank). Ignored when the default group already exists.
+            env: the environment to read (Default: ``os.environ``): the launcher's
+                variables (:func:`zpp.comm.launch.detect`: torchrun, an MPI launcher, srun;
+                none: a one-rank world) and the node layout (:meth:`Layout.from_env`).
+                Under an MPI launcher or srun the world comes from the launcher's numbering
+                (see [Note: rendezvous] in :mod:`zpp.comm.rendezvous`), and when ``env`` is
+                ``os.environ`` the torch variables (RANK, WORLD_SIZE, LOCAL_RANK,
+                LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are set there where unset.
             gloo_duplex: see the class (Default: ``$ZPP_GLOO_DUPLEX`` of ``env``, else True).
         """
+        timeout_s = resolve_timeout(timeout_s, env)
+        layout_env: Mapping[str, str] = env
         if not dist.is_initialized():
             backend = backend or "gloo"
             if backend not in ("gloo", "nccl"):
                 raise ValueError(f"TorchTransport.init: backend={backend!r} must be 'gloo' or 'nccl'")
+            launch = detect(env)
             if backend == "nccl":
                 if not torch.cuda.is_available():
                     raise ValueError("TorchTransport.init: backend='nccl' asked for but CUDA is not available")
-                torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
-            timeout = datetime.timedelta(seconds=timeout_s)
-            if "WORLD_SIZE" in env:
-                dist.init_process_group(backend, timeout=timeout)
-            else:  # a lone process: no rendezvous needed
-                dist.init_process_group(backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            timeout_s = None
+                torch.cuda.set_device(launch.local_rank or 0)
+            point = init_torch_world(backend, timeout_s, env, launch=launch)
+            if point is not None and launch.kind in ("mpi", "slurm"):
+                layout_env = ChainMap(point.env(), env)
+                if env is os.environ:
+                    export_env(point)
         if gloo_duplex is None:
             gloo_duplex = duplex_from_env(env)
         world = cls(check_metadata=check_metadata, timeout_s=timeout_s, gloo_duplex=gloo_duplex)
-        layout = agree_on_layout(world, env)
+        layout = agree_on_layout(world, layout_env)
         world.nodes = tuple(layout.node_list())
+        world.faults = FaultChannel.open(world)
         # Ranks on different paths would make different process groups and hang.
         world.check_agree(
             "TorchTransport.init (gloo_duplex, $ZPP_GLOO_DUPLEX)", (int(world.gloo_duplex),), ("gloo_duplex",)
@@ -250,6 +272,7 @@ class TorchTransport(Transport):
             return Work("all_gather", None, asynchronous=False)
         o, i = _bits(out).reshape(-1), _bits(inp).reshape(-1)
         handle: list[dist.Work] = []
+        call = self._calls
         with self._guard("all_gather"):
             if not self._try_native("all_gather", i, lambda: handle.append(
                     _all_gather_single(o, i, group=self.group, async_op=True))):
@@ -257,7 +280,7 @@ class TorchTransport(Transport):
                     dist.all_gather(list(o.chunk(self.world_size)), i, group=self.group, async_op=True)))
 
         def finish() -> None:  # torch's work holds o and i until it completes
-            with self._guard("all_gather"):
+            with self._guard("all_gather", call=call):
                 handle[0].wait()
 
         return Work("all_gather", finish)
@@ -319,6 +342,7 @@ class TorchTransport(Transport):
             self._fallback("broadcast", b, lambda: dist.broadcast(b, src=self.ranks[src], group=self.group))
 
     def barrier(self) -> None:
+        self._begin("barrier")
         with self._guard("barrier"):
             dist.barrier(group=self.group)
 
@@ -362,6 +386,7 @@ class TorchTransport(Transport):
             timeout_s=self.timeout_s,
             prefer_single_tensor=self.prefer_single_tensor,
             gloo_duplex=self.gloo_duplex,
+            faults=self.faults,
             _reverse=reverse if reverse is not None else self._reverse,
         )
 
@@ -453,18 +478,34 @@ class TorchTransport(Transport):
             ) from e
 
     @contextlib.contextmanager
-    def _guard(self, op: str):
-        """Re-raise a dead or silent peer as ConnectionError / TimeoutError; see [Note: dead peers]."""
+    def _guard(self, op: str, call: int | None = None):
+        """Re-raise a silent peer (gloo's timeout) as TimeoutError and a dead one (a closed
+        connection) as ConnectionError, after the fault channel's exchange; see [Note: dead
+        peers]. ``call``: the public call it belongs to (Default: the current one)."""
+        start = time.monotonic()
         try:
             yield
         except RuntimeError as e:
             msg = str(e)
-            where = f"{op}: rank {self.rank} of {self.world_size} (global ranks {list(self.ranks)})"
-            if _TIMED_OUT.search(msg):
-                raise TimeoutError(f"{where} timed out waiting for a peer ({msg.splitlines()[0]})") from e
-            if _PEER_GONE.search(msg):
-                raise ConnectionError(f"{where} lost a peer ({msg.splitlines()[0]})") from e
-            raise
+            line = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+            line = line.split(" This is typically caused by")[0]  # gloo's guess, not an observation
+            detail = f"{self.backend} {op}: {line}" if op != self._call_op else f"{self.backend}: {line}"
+            kind = "timeout" if _TIMED_OUT.search(msg) else "closed" if _PEER_GONE.search(msg) else None
+            if kind is None:
+                raise
+            raise self._fault(kind, time.monotonic() - start, detail, call=call) from e
+
+    # ------------------------------------------------------------------ teardown
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups this transport holds (its group and its reverse group)."""
+        return [g for g in (self.group, self._reverse.group) if g is not None]
+
+    def release(self) -> None:
+        """Drop this transport's process groups and works in flight; it is unusable
+        afterwards. See [Note: clean exit] in :mod:`zpp.comm.teardown`."""
+        self.group = None
+        self._reverse.group = None
+        self._inflight.clear()
 
 
 def _wait_all(works: list) -> None:

@@ -29,6 +29,12 @@ collective. Rules, checked where it is cheap:
 
 Backends time out inside ``wait()`` like their blocking ops (``timeout_s`` from the call of
 ``wait()``), raising ``TimeoutError`` / ``ConnectionError`` naming the op and the rank.
+
+[Note: failures]
+Every public call is numbered per transport (``_begin``). A backend that sees a collective
+time out or lose a peer raises ``self._fault(...)``: the exception of [Note: fault reports]
+(:mod:`zpp.comm.faults`), which names the call and the ranks that did not report. From then
+on every transport of that world refuses calls with ``RuntimeError``.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from zpp.comm.counters import WireCounters
+from zpp.comm.faults import Fault, FaultChannel, describe
 
 _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4, "broadcast": 5}
 _DTYPE_CODES = {
@@ -101,6 +108,8 @@ class Transport(abc.ABC):
         nodes: node index of each member, in group order (drives intra/inter accounting).
         counters: wire-byte counters, shared with sub-transports.
         check_metadata: run the cross-rank size check before each call (Default: True).
+        faults: the world's fault channel (see [Note: failures]), shared with
+            sub-transports; None for a transport made without one.
     """
 
     name: str = "abstract"
@@ -133,6 +142,10 @@ class Transport(abc.ABC):
         self.counters = counters if counters is not None else WireCounters()
         self.check_metadata = check_metadata
         self._inflight: list[Work] = []
+        self.faults: FaultChannel | None = None
+        self._broken: str | None = None  # the first failure, when there is no fault channel
+        self._calls = 0  # public calls so far; see [Note: failures]
+        self._call_op = "(no call yet)"  # the current (or last) public call
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
@@ -175,12 +188,14 @@ class Transport(abc.ABC):
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``world_size * inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
+        self._begin("all_gather")
         if self._start_all_gather("all_gather", out, inp):
             self._all_gather(out, inp)
 
     def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         """Start ``all_gather(out, inp)``; ``out`` is valid once the returned work's
         ``wait()`` returns. See [Note: asynchronous collectives]."""
+        self._begin("all_gather")
         if not self._start_all_gather("all_gather_async", out, inp):
             return Work("all_gather", None, asynchronous=False)
         work = self._all_gather_async(out, inp)
@@ -214,6 +229,7 @@ class Transport(abc.ABC):
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "mean") -> None:
         """``out`` receives slice ``rank`` of the element-wise ``op`` ("sum"/"mean") of every ``inp``."""
+        self._begin("reduce_scatter")
         self._check("reduce_scatter", inp, out)
         if op not in ("sum", "mean"):
             raise ValueError(f"reduce_scatter: op={op!r} must be 'sum' or 'mean'")
@@ -232,6 +248,7 @@ class Transport(abc.ABC):
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """In place: ``t`` becomes the element-wise ``op`` (sum, mean, max, min) over ranks."""
+        self._begin("all_reduce")
         self._check("all_reduce", t)
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: op={op!r} must be one of {REDUCE_OPS}")
@@ -245,6 +262,7 @@ class Transport(abc.ABC):
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Equal splits: slice ``j`` of ``inp`` goes to rank ``j``; slice ``i`` of ``out`` comes from rank ``i``."""
+        self._begin("all_to_all")
         self._check("all_to_all", inp, out)
         if inp.numel() != out.numel() or inp.numel() % self.world_size:
             raise ValueError(
@@ -260,6 +278,7 @@ class Transport(abc.ABC):
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """In place: every rank's ``t`` becomes rank ``src``'s."""
+        self._begin("broadcast")
         self._check("broadcast", t)
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src={src} outside world_size={self.world_size}")
@@ -269,6 +288,34 @@ class Transport(abc.ABC):
         if self.world_size == 1:
             return
         self._broadcast(t, src)
+
+    # ------------------------------------------------------------------ failures
+    @property
+    def broken(self) -> str | None:
+        """The failure that made this transport's world unusable, or None; see [Note: failures]."""
+        return self.faults.broken if self.faults is not None else self._broken
+
+    def _begin(self, op: str) -> int:
+        """Number a public call (see [Note: failures]); refuse it on a broken world."""
+        if self.broken is not None:
+            raise RuntimeError(
+                f"{op}: the {self.name} transport of rank {self.rank} is unusable since {self.broken}; "
+                f"the job must stop")
+        self._calls += 1
+        self._call_op = op
+        return self._calls
+
+    def _fault(self, kind: str, waited_s: float, detail: str = "", *, op: str | None = None,
+               call: int | None = None) -> Exception:
+        """The exception for a failed collective (Default: the current public call), after
+        the fault channel's exchange; see [Note: fault reports]."""
+        fault = Fault(op or self._call_op, self._calls if call is None else call, self.ranks, kind, waited_s, detail)
+        reports = self.faults.report(fault) if self.faults is not None else None
+        if self.faults is None and self._broken is None:
+            self._broken = fault.where() + (" timed out" if kind == "timeout" else " lost a peer")
+        cls, msg = describe(fault, self.ranks[self.rank], len(self.faults.peers) if self.faults else self.world_size,
+                            reports, self.faults.window_s if self.faults else 0.0)
+        return cls(msg)
 
     # ------------------------------------------------------------------ shared checks
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
@@ -293,8 +340,9 @@ class Transport(abc.ABC):
                         f"{self.rank}; wait() that work before using its output")
 
     def _meta(self, op: str, t: torch.Tensor, extra: int = 0) -> None:
-        self.check_agree(op, (_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra),
-                         ("op", "numel", "dtype#", "arg"))
+        if not self.check_metadata or self.world_size == 1:
+            return
+        self._agree(op, (_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra), ("op", "numel", "dtype#", "arg"))
 
     def check_agree(self, what: str, values: Sequence[int], names: Sequence[str] | None = None) -> None:
         """Raise the same ``ValueError`` on every rank unless all ranks pass equal ``values``.
@@ -305,13 +353,14 @@ class Transport(abc.ABC):
         """
         if not self.check_metadata or self.world_size == 1:
             return
+        self._begin("check_agree")  # a call of its own when a layer above makes it
+        self._agree(what, values, names)
+
+    def _agree(self, what: str, values: Sequence[int], names: Sequence[str] | None) -> None:
         k = len(values)
         mine = torch.tensor(list(values), dtype=torch.int64)
         everyone = torch.empty(self.world_size * k, dtype=torch.int64)
-        try:
-            self._meta_all_gather(everyone, mine)
-        except (TimeoutError, ConnectionError) as exc:
-            raise type(exc)(f"{what} (metadata check): {exc}") from exc
+        self._meta_all_gather(everyone, mine)
         rows = everyone.view(self.world_size, k)
         if not bool((rows == rows[0]).all()):
             names = list(names) if names else [f"v{i}" for i in range(k)]

@@ -292,8 +292,6 @@ def _run_launched(args: argparse.Namespace, cfg: BenchConfig, where: _launch.Lau
         os.environ["ZPP_RANKS_PER_NODE"] = str(args.ranks_per_node)
     if lead:
         _check_out(parser, args.out)
-    if backend == "torch" and where.kind == "mpi":
-        _launch.torch_env_from_mpi(where)
     try:
         found = _sweep(cfg, backend, None)
     except Exception:

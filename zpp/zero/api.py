@@ -83,7 +83,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if transport is None:
         from zpp.comm import registry
 
-        transport = registry.get_transport(cfg.zpp.transport)
+        timeout = {} if cfg.zpp.timeout_s is None else {"timeout_s": cfg.zpp.timeout_s}
+        transport = registry.get_transport(cfg.zpp.transport, **timeout)
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = ParamGroups.of_optimizer(optimizer)
     else:

@@ -259,8 +259,14 @@ class OuterConfig:
 class ZppConfig:
     """zpp's own knobs (the ``"zpp"`` section of a DeepSpeed-style config)."""
 
-    transport: str = "torch"
-    """Name given to ``zpp.comm.get_transport`` when no transport is passed (Default: "torch")."""
+    transport: str | None = None
+    """Name given to ``zpp.comm.get_transport`` when no transport is passed; None leaves the
+    choice to [Note: which transport] in :mod:`zpp.comm.registry` (``$ZPP_COMM_BACKEND``, the
+    tune plan, the launcher, else "torch") (Default: None)."""
+    timeout_s: float | None = None
+    """Seconds the rendezvous and every collective wait for a silent peer before raising
+    ``TimeoutError``; None: ``$ZPP_TIMEOUT_S``, else 300 (see :mod:`zpp.comm.timeout`)
+    (Default: None)."""
     weight_bits: int = 8
     """qwZ code width, 8 or 4 (Default: 8)."""
     gradient_bits: int = 4
@@ -332,8 +338,10 @@ class ZppConfig:
                 check_str(w, name, getattr(self, name))
         if self.check_metadata is not None:
             check_bool(w, "check_metadata", self.check_metadata)
-        if not isinstance(self.transport, str) or not self.transport:
-            raise fail(w, "transport", self.transport, "a transport name")
+        if self.transport is not None:
+            check_str(w, "transport", self.transport)
+        if self.timeout_s is not None:
+            check_number(w, "timeout_s", self.timeout_s, lo=0, lo_open=True)
         check_choice(w, "nonfinite", self.nonfinite, NONFINITE)
         check_choice(w, "parameter_mismatch", self.parameter_mismatch, ("broadcast", "raise"))
         if self.outer is not None and not isinstance(self.outer, OuterConfig):
