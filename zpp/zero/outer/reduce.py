@@ -13,9 +13,9 @@ other nodes (the transport counters' direct-exchange model, see zpp/comm/counter
 name        what                                                        bytes sent
 ==========  ==========================================================  =================
 ``none``    ``Transport.all_reduce`` (mean) of the fp32 fragment        ``2 (N-1)/N * 4S``
-``int8``    quantized reduce-scatter, then quantized all-gather of the  ``2 (N-1)/N * S``
-            mean (:func:`~zpp.comm.collectives.quantized_reduce_scatter`,
-            :func:`~zpp.comm.collectives.quantized_all_gather`)
+``int8``    :func:`~zpp.comm.collectives.quantized_all_reduce`:          ``2 (N-1)/N * S``
+            quantized reduce-scatter, then quantized all-gather of the
+            mean
 ``int4``    the same in 4 bits                                          ``2 (N-1)/N * S/2``
 ``1bit``    :class:`~zpp.comm.onebit.OneBitAllReduce`: signs and one    ``2 (N-1)/N * S/8``
             scale per chunk, error feedback on both sides
@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from zpp.comm.collectives import quantized_all_gather, quantized_reduce_scatter
+from zpp.comm.collectives import quantized_all_reduce
 from zpp.comm.onebit import OneBitAllReduce
 from zpp.comm.topology import topology_of
 from zpp.comm.transport import Transport
@@ -115,14 +115,7 @@ class QuantizedMean(OuterReduce):
         self.topology = topology_of(inter) if inter.world_size > 1 else None
 
     def _reduce(self, x: torch.Tensor) -> None:
-        N, n = self.inter.world_size, self.numel
-        s = -(-n // N)
-        part = torch.empty(s, dtype=torch.float32, device=x.device)
-        full = torch.empty(N * s, dtype=torch.float32, device=x.device)
-        with self.inter.counters.collective(self.counter, 4 * n):
-            quantized_reduce_scatter(part, x, topology=self.topology, bits=self.bits, group_size=self.group_size)
-            quantized_all_gather(full, part, transport=self.inter, bits=self.bits, group_size=self.group_size)
-        x.copy_(full[:n])
+        quantized_all_reduce(x, topology=self.topology, bits=self.bits, group_size=self.group_size)
 
 
 class OneBitMean(OuterReduce):
