@@ -38,7 +38,7 @@ def test_translation(tmp_path):
 
 
 @pytest.mark.parametrize("ds,exc,words", [
-    ({"fp16": {"enabled": True}}, NotImplementedError, ["fp16"]),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, NotImplementedError, ["fp16.auto_cast"]),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, NotImplementedError,
      ["offload_optimizer"]),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, NotImplementedError,
@@ -75,8 +75,13 @@ def test_typed_config_validates():
         ZeroConfig(stage=3, hpz_partition_size=0)
     with pytest.raises(ValueError, match="weight_group_size=3"):
         ZppConfig(weight_group_size=3)
-    with pytest.raises(ValueError, match="precision='fp16'"):
-        TrainConfig(precision="fp16")
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        TrainConfig(precision="fp8")
+    # precision="fp16" and fp16.enabled are one switch
+    assert TrainConfig(precision="fp16").fp16 == zz.Fp16Config(enabled=True)
+    assert TrainConfig(fp16=zz.Fp16Config(enabled=True, hysteresis=3)).precision == "fp16"
+    with pytest.raises(ValueError, match="fp16.enabled=True and precision='bf16'"):
+        TrainConfig(precision="bf16", fp16=zz.Fp16Config(enabled=True))
     with pytest.raises(TypeError):
         ZeroConfig(3)  # keyword-only
     cfg = TrainConfig(train_micro_batch_size_per_gpu=2, train_batch_size=10, gradient_accumulation_steps=1)
@@ -409,6 +414,8 @@ def test_translation_of_new_sections():
         "zpp": {"unit_classes": ["Block", "Embedding"], "nonfinite": "raise"},
     })
     assert cfg.fp16 == zz.Fp16Config(enabled=True, min_loss_scale=1e-5)  # the rest: DeepSpeed's defaults
+    assert cfg.precision == "fp16"
+    assert as_config({"fp16": {"enabled": True, "auto_cast": False}, "zpp": {"nonfinite": "raise"}}).precision == "fp16"
     z = cfg.zero
     assert z.param_persistence_threshold == 10_000 and isinstance(z.param_persistence_threshold, int)
     assert z.offload_optimizer == zz.OffloadConfig(device="cpu", pin_memory=True)
@@ -454,11 +461,10 @@ def test_offload_below_its_stage_is_ignored_as_deepspeed_does():
 
 def test_engine_pending_is_refused_by_as_config():
     asks = {
-        "fp16.enabled": {"fp16": {"enabled": True}},
+        "fp16.auto_cast": {"fp16": {"enabled": True, "auto_cast": True}},
         "zero_optimization.offload_optimizer": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
         "zero_optimization.offload_param": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
         "activation_checkpointing": {"activation_checkpointing": {"profile": True}},
-        "zpp.nonfinite": {"zpp": {"nonfinite": "raise"}},
     }
     assert set(asks) == set(ENGINE_PENDING)
     for name, ds in asks.items():

@@ -6,7 +6,8 @@ Layout of ``save_dir/tag/``::
                              master weights (frozen units: the parameters) and of every
                              per-element optimizer state tensor, plus the unit's names/sizes
     meta.json                world size, stage, steps, units (human-readable)
-    meta.pt                  buffers, optimizer hyper-parameters, scheduler state
+    meta.pt                  buffers, optimizer hyper-parameters, scheduler state, the
+                             engine's step state (fp16 loss scaler, skipped steps)
 
     onebit_optim_rank00000.pt ...   with a 1-bit optimizer: each rank's optimizer state
 
@@ -94,8 +95,8 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
         buffers = {n: b.detach().clone() for n, b in engine.module.named_buffers()}
-        _atomic_save({"format": FORMAT, "param_groups": groups, "scheduler": sched, "buffers": buffers},
-                     path / "meta.pt")
+        _atomic_save({"format": FORMAT, "param_groups": groups, "scheduler": sched, "buffers": buffers,
+                      "step_state": engine.step_state()}, path / "meta.pt")
         meta = {
             "format": FORMAT, "world_size": world.world_size, "stage": engine.config.zero.stage,
             "degree": engine.comms.degree, "global_steps": engine.global_steps,
@@ -192,6 +193,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None)
             buffers[n].data.copy_(b)
     engine.global_steps = int(meta["global_steps"])
     engine.micro_steps = int(meta["micro_steps"])
+    engine.load_step_state(extra.get("step_state"))  # fp16 loss scale, skipped steps
     engine.zero_grad()
     if onebit is not None:  # see [Note: 1-bit optimizer state]
         engine.optimizer.load_state_dict(torch.load(onebit, map_location="cpu", weights_only=False)["optimizer"])
