@@ -251,10 +251,12 @@ class ZeroEngine:
             u.flat.invalidate_secondary()  # as after a step: the next passes gather as they would
         self.last_grad_norm = float("inf")
         self.skipped_steps += 1
-        self._mirror_overflow(True)
         self._count_step()
         scaler = self.loss_scaler
-        change = scaler.update(True, step=step)  # may raise at min_loss_scale (every rank)
+        try:
+            change = scaler.update(True, step=step)  # may raise at min_loss_scale (every rank)
+        finally:
+            self._mirror_overflow(True)
         if self.world.rank == 0:
             what = f"[zpp] OVERFLOW! Skipping optimizer step {step}: gradients hold NaN or Inf on some rank"
             if scaler.enabled:
