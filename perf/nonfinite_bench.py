@@ -1,0 +1,201 @@
+"""Cost per step of the non-finite gradient check (issue 12) on the benchmark GPT.
+
+    python perf/nonfinite_bench.py --json perf/results/nonfinite_check.json   # spawns 4 local gloo ranks
+
+The engine checks every optimizer step's gradients on every rank (see [Note: the
+non-finite check rides on the norm] in zpp/zero/gradnorm.py): at stages 0-3 and with
+ZeRO++ the flag rides on the gradient norm the engine computes anyway, so the check itself
+adds one float comparison and no byte; with a 1-bit optimizer and no clipping it scans the
+local gradient (``has_nonfinite``) and all-reduces a 4-byte flag (``any_rank_nonfinite``).
+For each variant (the GPT of perf/trainlib.py, AdamW or a 1-bit optimizer, ``--warmup``
+steps, then ``--steps`` timed ones), rank 0 prints:
+
+* ``step_s``: wall time per step (the probe below subtracted);
+* ``check_ms``: the engine's whole ``check_grads`` per step: the gradient norm (computed
+  before this check existed, for clipping and ``get_global_grad_norm``) plus what the
+  check adds;
+* ``added_ms``: what the non-finite check itself runs per step (scan plus flag all-reduce;
+  0 where it rides on the norm);
+* ``probe_ms``: a standalone check run beside the engine's, for comparison: a scan of
+  this rank's gradient plus a 4-byte flag all-reduce (what folding saves);
+* ``check_B``: the check's own wire bytes per rank per step (``nonfinite_check`` in the
+  transport's counters), against ``step_B``, all of the step's wire bytes per rank.
+
+Timings come from ``time.perf_counter`` around the calls, summed over the timed steps, on
+every rank; the row reports rank 0's and the maximum over ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import trainlib  # noqa: E402
+from zpp.comm.nonfinite import CHECK_OP, any_rank_nonfinite, has_nonfinite  # noqa: E402
+
+_ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+VARIANTS = {
+    "zero0": ("AdamW", {"stage": 0}),
+    "zero2": ("AdamW", {"stage": 2}),
+    "zero3": ("AdamW", {"stage": 3}),
+    "zero3-zeropp": ("AdamW", {"stage": 3, **_ZEROPP}),
+    "onebitadam": ("OneBitAdam", {"stage": 0}),
+    "zerooneadam": ("ZeroOneAdam", {"stage": 0}),
+}
+PROBE = "probe_nonfinite_check"
+
+
+class Timers:
+    """Seconds spent in the wrapped calls since the last reset."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, float] = {}
+
+    def wrap(self, name, fn):
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def add(self, name, dt):
+        self.s[name] = self.s.get(name, 0.0) + dt
+
+
+def _instrument(t, timers: Timers, probe: bool) -> None:
+    """Time the engine's check and its parts; with ``probe``, run a standalone check (scan +
+    flag all-reduce, booked as PROBE) before it."""
+    import zpp.zero.engine as ze
+    import zpp.zero.gradnorm as zg
+
+    zg.has_nonfinite = timers.wrap("scan", has_nonfinite)
+    zg.any_rank_nonfinite = timers.wrap("flag", any_rank_nonfinite)
+    check = zg.check_grads
+
+    def check_grads(units, **kw):
+        if probe:
+            t0 = time.perf_counter()
+            bad = any(has_nonfinite(u.flat.grad) for u in units)
+            flag = torch.tensor([float(bad)])
+            with t.counters.collective(PROBE, 4):
+                t.all_reduce(flag, "max")
+            timers.add("probe", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = check(units, **kw)
+        timers.add("check", time.perf_counter() - t0)
+        return out
+
+    ze.check_grads = check_grads
+
+
+def _run_variant(t, name, args, data):
+    import zpp.zero as zz
+
+    opt, zero = VARIANTS[name]
+    params = {"lr": 1e-3, "weight_decay": 0.0}
+    if opt == "OneBitAdam":
+        params["freeze_step"] = args.warmup  # the timed steps are in the compression stage
+    elif opt == "ZeroOneAdam":
+        params.update(var_freeze_step=args.warmup, local_step_scaler=1, local_step_clipper=2)
+    cfg = {"optimizer": {"type": opt, "params": params}, "zero_optimization": zero,
+           "zpp": {"check_metadata": False, "unit_min_numel": 100_000}}
+    model = trainlib.make_model(args)
+    psi = sum(p.numel() for p in model.parameters())
+    engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
+    timers = Timers()
+    _instrument(t, timers, probe=not opt.startswith(("OneBit", "ZeroOne")))
+    g = torch.Generator().manual_seed(t.rank)
+
+    def step():
+        x, y = data.batch(args.batch, args.block, g)
+        engine.backward(engine(x, y))
+        engine.step()
+
+    for _ in range(args.warmup):
+        step()
+    t.barrier()
+    t.counters.reset()
+    timers.s.clear()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    t.barrier()
+    wall = time.perf_counter() - t0
+    snap = t.counters.snapshot()
+    engine.close()
+    n = args.steps
+    s = timers.s
+    mine = torch.tensor([s.get("check", 0.0), s.get("scan", 0.0) + s.get("flag", 0.0), s.get("probe", 0.0)],
+                        dtype=torch.float64) / n
+    worst = mine.clone()
+    t.all_reduce(worst, "max")
+    probe_s = float(mine[2])
+    check_b = snap[CHECK_OP].wire_bytes / n if CHECK_OP in snap else 0.0
+    step_b = sum(v.wire_bytes for k, v in snap.items() if k != PROBE) / n
+    step_s = wall / n - probe_s
+    return {
+        "variant": name, "params": psi, "step_s": step_s,
+        "check_ms": 1e3 * float(mine[0]), "check_ms_max": 1e3 * float(worst[0]),
+        "added_ms": 1e3 * float(mine[1]), "added_ms_max": 1e3 * float(worst[1]),
+        "probe_ms": 1e3 * probe_s, "probe_ms_max": 1e3 * float(worst[2]),
+        "check_bytes": check_b, "probe_bytes": snap[PROBE].wire_bytes / n if PROBE in snap else 0.0,
+        "step_bytes": step_b,
+        "added_pct_of_step": 100 * float(mine[1]) / step_s,
+    }
+
+
+def _rank_main(t, args):
+    from tests.gpt import CharCorpus
+
+    data = CharCorpus(max_bytes=2_000_000)
+    rows = [_run_variant(t, name, args, data) for name in args.variants]
+    if t.rank != 0:
+        return
+    print(f"# nonfinite_bench: world={t.world_size} warmup={args.warmup} steps={args.steps} "
+          f"GPT n_layer={args.n_layer} n_embd={args.n_embd} block={args.block} batch={args.batch} "
+          f"params={rows[0]['params']}")
+    print(f"{'variant':<14}{'step_s':>8}{'check_ms':>10}{'added_ms':>10}{'added_%':>9}{'probe_ms':>10}"
+          f"{'check_B':>9}{'probe_B':>9}{'step_B':>13}")
+    for r in rows:
+        print(f"{r['variant']:<14}{r['step_s']:>8.3f}{r['check_ms']:>10.2f}{r['added_ms']:>10.2f}"
+              f"{r['added_pct_of_step']:>8.3f}%{r['probe_ms']:>10.2f}{r['check_bytes']:>9.0f}"
+              f"{r['probe_bytes']:>9.0f}{r['step_bytes']:>13.0f}")
+    if args.json:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "host": socket.gethostname(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+               "git_revision": rev, "torch": torch.__version__, "world": t.world_size,
+               "load_average": os.getloadavg(),
+               "model": {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block", "batch", "steps",
+                                                      "warmup")},
+               "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    trainlib.add_model_args(p, n_layer=8, n_embd=512, block=128, batch=1, steps=3, warmup=2)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.set_defaults(n_head=8)  # the 25M GPT of perf/BENCHMARKS.md: 8 layers x 512, 8 heads
+    args = p.parse_args(argv)
+    trainlib.parse_variants(p, args, VARIANTS)
+    trainlib.launch(_rank_main, args)
+
+
+if __name__ == "__main__":
+    main()
