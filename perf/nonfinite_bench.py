@@ -14,15 +14,20 @@ steps, then ``--steps`` timed ones), rank 0 prints:
 * ``check_ms``: the engine's whole ``check_grads`` per step: the gradient norm (computed
   before this check existed, for clipping and ``get_global_grad_norm``) plus what the
   check adds;
-* ``added_ms``: what the non-finite check itself runs per step (scan plus flag all-reduce;
-  0 where it rides on the norm);
-* ``probe_ms``: a standalone check run beside the engine's, for comparison: a scan of
-  this rank's gradient plus a 4-byte flag all-reduce (what folding saves);
+* ``scan_ms``, ``flag_ms``: the check's own work: the scan of the local gradient
+  (rank-local) and the latency of its 4-byte flag all-reduce, timed alone after a barrier
+  (in the step that call also absorbs the wait for the slowest rank, which the step's next
+  collective would pay otherwise; the JSON keeps both); both 0 where the check rides on
+  the norm;
+* ``added_ms`` = scan + flag, and its share of the step;
+* ``probe_ms``: a standalone check beside a folded one, for comparison: a scan of this
+  rank's gradient (its shard where gradients are sharded) plus the flag latency (what
+  folding saves);
 * ``check_B``: the check's own wire bytes per rank per step (``nonfinite_check`` in the
   transport's counters), against ``step_B``, all of the step's wire bytes per rank.
 
-Timings come from ``time.perf_counter`` around the calls, summed over the timed steps, on
-every rank; the row reports rank 0's and the maximum over ranks.
+Timings come from ``time.perf_counter`` around the calls, summed over the timed steps; the
+row reports rank 0's, the JSON also the maximum over ranks.
 """
 from __future__ import annotations
 
@@ -89,9 +94,11 @@ def _instrument(t, timers: Timers, probe: bool) -> None:
         if probe:
             t0 = time.perf_counter()
             bad = any(has_nonfinite(u.flat.grad) for u in units)
+            t1 = time.perf_counter()
             flag = torch.tensor([float(bad)])
             with t.counters.collective(PROBE, 4):
                 t.all_reduce(flag, "max")
+            timers.add("probe_scan", t1 - t0)
             timers.add("probe", time.perf_counter() - t0)
         t0 = time.perf_counter()
         out = check(units, **kw)
@@ -136,25 +143,48 @@ def _run_variant(t, name, args, data):
     wall = time.perf_counter() - t0
     snap = t.counters.snapshot()
     engine.close()
+    latency = _flag_latency(t)
     n = args.steps
     s = timers.s
-    mine = torch.tensor([s.get("check", 0.0), s.get("scan", 0.0) + s.get("flag", 0.0), s.get("probe", 0.0)],
-                        dtype=torch.float64) / n
+    keys = ("check", "scan", "flag", "probe", "probe_scan")
+    mine = torch.tensor([s.get(k, 0.0) for k in keys], dtype=torch.float64) / n
     worst = mine.clone()
     t.all_reduce(worst, "max")
-    probe_s = float(mine[2])
+    ms = {k: 1e3 * float(v) for k, v in zip(keys, mine)}
+    ms_max = {k: 1e3 * float(v) for k, v in zip(keys, worst)}
     check_b = snap[CHECK_OP].wire_bytes / n if CHECK_OP in snap else 0.0
-    step_b = sum(v.wire_bytes for k, v in snap.items() if k != PROBE) / n
-    step_s = wall / n - probe_s
+    step_s = wall / n - ms["probe"] / 1e3
+    flags = 1 if CHECK_OP in snap else 0  # the check's own all-reduces per step
+    added = ms["scan"] + flags * latency
     return {
         "variant": name, "params": psi, "step_s": step_s,
-        "check_ms": 1e3 * float(mine[0]), "check_ms_max": 1e3 * float(worst[0]),
-        "added_ms": 1e3 * float(mine[1]), "added_ms_max": 1e3 * float(worst[1]),
-        "probe_ms": 1e3 * probe_s, "probe_ms_max": 1e3 * float(worst[2]),
+        # the engine's whole check_grads: the pre-existing norm (and its all-reduce) plus the check
+        "check_ms": ms["check"], "check_ms_max": ms_max["check"],
+        # the check's own work: the scan (rank-local) and the flag all-reduce, timed in the step
+        # (which includes waiting for the slowest rank) and alone (its latency)
+        "scan_ms": ms["scan"], "scan_ms_max": ms_max["scan"],
+        "flag_in_step_ms": ms["flag"], "flag_latency_ms": latency,
+        "added_ms": added, "added_pct_of_step": 100 * added / 1e3 / step_s,
+        # a standalone check beside a folded one: scan of this rank's gradient + flag
+        "probe_scan_ms": ms["probe_scan"], "probe_scan_ms_max": ms_max["probe_scan"],
+        "probe_ms": ms["probe_scan"] + latency if ms["probe"] else 0.0,
         "check_bytes": check_b, "probe_bytes": snap[PROBE].wire_bytes / n if PROBE in snap else 0.0,
-        "step_bytes": step_b,
-        "added_pct_of_step": 100 * float(mine[1]) / step_s,
+        "step_bytes": sum(v.wire_bytes for k, v in snap.items() if k != PROBE) / n,
     }
+
+
+def _flag_latency(t, calls: int = 30) -> float:
+    """Median milliseconds of one 4-byte flag all-reduce with every rank ready (a barrier
+    first), the check's cost on the wire without the wait for the slowest rank that any
+    first collective after backward pays."""
+    times = []
+    for _ in range(calls):
+        t.barrier()
+        t0 = time.perf_counter()
+        any_rank_nonfinite(t, False)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e3 * times[len(times) // 2]
 
 
 def _rank_main(t, args):
@@ -167,12 +197,13 @@ def _rank_main(t, args):
     print(f"# nonfinite_bench: world={t.world_size} warmup={args.warmup} steps={args.steps} "
           f"GPT n_layer={args.n_layer} n_embd={args.n_embd} block={args.block} batch={args.batch} "
           f"params={rows[0]['params']}")
-    print(f"{'variant':<14}{'step_s':>8}{'check_ms':>10}{'added_ms':>10}{'added_%':>9}{'probe_ms':>10}"
-          f"{'check_B':>9}{'probe_B':>9}{'step_B':>13}")
+    print(f"{'variant':<14}{'step_s':>8}{'check_ms':>10}{'scan_ms':>9}{'flag_ms':>9}{'added_ms':>10}"
+          f"{'added_%':>9}{'probe_ms':>10}{'check_B':>9}{'probe_B':>9}{'step_B':>13}")
     for r in rows:
-        print(f"{r['variant']:<14}{r['step_s']:>8.3f}{r['check_ms']:>10.2f}{r['added_ms']:>10.2f}"
-              f"{r['added_pct_of_step']:>8.3f}%{r['probe_ms']:>10.2f}{r['check_bytes']:>9.0f}"
-              f"{r['probe_bytes']:>9.0f}{r['step_bytes']:>13.0f}")
+        flag = r["flag_latency_ms"] if r["check_bytes"] else 0.0
+        print(f"{r['variant']:<14}{r['step_s']:>8.3f}{r['check_ms']:>10.2f}{r['scan_ms']:>9.2f}{flag:>9.3f}"
+              f"{r['added_ms']:>10.2f}{r['added_pct_of_step']:>8.3f}%{r['probe_ms']:>10.2f}"
+              f"{r['check_bytes']:>9.0f}{r['probe_bytes']:>9.0f}{r['step_bytes']:>13.0f}")
     if args.json:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()

@@ -19,10 +19,10 @@ every rank:
 * ``zpp.nonfinite: "raise"`` (``nonfinite="raise"`` for a 1-bit optimizer used directly):
   the same skip, then ``NonFiniteGradientError`` naming the step on every rank.
 
-Covered: stages 0-3 (2 ranks), ZeRO++ with every switch (2 nodes x 2 ranks), AdamW and SGD,
-the 1-bit optimizers through the engine (warm-up and compression stage, 0/1 Adam on a local
-step and on a sync) and used directly, the MPI transport (stage 2). Worlds have hard
-timeouts shorter than pytest's.
+Covered: stages 0-3 (2 ranks; bf16 at stage 3), ZeRO++ with every switch (2 nodes x 2
+ranks), AdamW and SGD, the 1-bit optimizers through the engine (warm-up and compression
+stage, 0/1 Adam on a local step and on a sync) and used directly, the MPI transport (stage
+2). Worlds have hard timeouts shorter than pytest's.
 """
 import pytest
 import torch
@@ -69,7 +69,9 @@ def _ds(stage=0, opt="AdamW", clip=0.0, zero=None, sched=False, **zpp):
     params = {"lr": 0.05, "momentum": 0.9} if opt == "SGD" else {**HP, "betas": list(HP["betas"])}
     params.update(ONEBIT.get(opt, {}))
     ds = {"gradient_clipping": clip, "optimizer": {"type": opt, "params": params},
-          "zero_optimization": {"stage": stage, "reduce_bucket_size": 900, **(zero or {})}, "zpp": zpp}
+          # persistence 0: stage 3 partitions even this tiny model's parameters
+          "zero_optimization": {"stage": stage, "reduce_bucket_size": 900, "stage3_param_persistence_threshold": 0,
+                                **(zero or {})}, "zpp": zpp}
     if sched:
         ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
                                                           "warmup_num_steps": 5, "warmup_type": "linear"}}
@@ -176,6 +178,7 @@ def _world_stages(t):
         for value in BAD:
             out[f"stage{stage}-{value}"] = _case(t, _ds(stage, clip=1.0 if stage == 1 else 0.0,
                                                          sched=stage == 2), 3, value)
+    out["stage3-bf16-nan"] = _case(t, {**_ds(3), "bf16": {"enabled": True}}, 3, BAD[0])  # any precision
     out["stage2-sgd-nan"] = _case(t, _ds(2, opt="SGD"), 2, BAD[0])
     out["stage0-sgd-inf"] = _case(t, _ds(0, opt="SGD"), 4, BAD[1])
     return out

@@ -194,7 +194,9 @@ def _ds(stage=0, *, clip=0.0, gas=1, opt="AdamW", zero=None, **fp16):
         "optimizer": {"type": opt, "params": params},
         "fp16": {"enabled": True, "initial_scale_power": POWER, "loss_scale_window": WINDOW, "hysteresis": HYST,
                  **fp16},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, **(zero or {})},
+        # persistence 0: stage 3 partitions even this tiny model's parameters
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0,
+                              **(zero or {})},
     }
 
 
