@@ -49,13 +49,15 @@ import trainlib  # noqa: E402
 from zpp.comm.nonfinite import CHECK_OP, any_rank_nonfinite, has_nonfinite  # noqa: E402
 
 _ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
-VARIANTS = {
-    "zero0": ("AdamW", {"stage": 0}),
-    "zero2": ("AdamW", {"stage": 2}),
-    "zero3": ("AdamW", {"stage": 3}),
-    "zero3-zeropp": ("AdamW", {"stage": 3, **_ZEROPP}),
-    "onebitadam": ("OneBitAdam", {"stage": 0}),
-    "zerooneadam": ("ZeroOneAdam", {"stage": 0}),
+VARIANTS = {  # name: (optimizer, zero_optimization, fp16)
+    "zero0": ("AdamW", {"stage": 0}, False),
+    "zero2": ("AdamW", {"stage": 2}, False),
+    "zero3": ("AdamW", {"stage": 3}, False),
+    "zero3-zeropp": ("AdamW", {"stage": 3, **_ZEROPP}, False),
+    "onebitadam": ("OneBitAdam", {"stage": 0}, False),
+    "zerooneadam": ("ZeroOneAdam", {"stage": 0}, False),
+    # fp16: the flag comes out of the unscaling pass (no scan of its own)
+    "onebitadam-fp16": ("OneBitAdam", {"stage": 0}, True),
 }
 PROBE = "probe_nonfinite_check"
 
@@ -87,6 +89,8 @@ def _instrument(t, timers: Timers, probe: bool) -> None:
     import zpp.zero.gradnorm as zg
 
     zg.has_nonfinite = timers.wrap("scan", has_nonfinite)
+    if zg._FUSED_UNSCALE is not None:  # fp16: the scan fused into the unscaling (which runs anyway)
+        zg._FUSED_UNSCALE = timers.wrap("scan", torch._amp_foreach_non_finite_check_and_unscale_)
     zg.any_rank_nonfinite = timers.wrap("flag", any_rank_nonfinite)
     check = zg.check_grads
 
@@ -111,7 +115,7 @@ def _instrument(t, timers: Timers, probe: bool) -> None:
 def _run_variant(t, name, args, data):
     import zpp.zero as zz
 
-    opt, zero = VARIANTS[name]
+    opt, zero, fp16 = VARIANTS[name]
     params = {"lr": 1e-3, "weight_decay": 0.0}
     if opt == "OneBitAdam":
         params["freeze_step"] = args.warmup  # the timed steps are in the compression stage
@@ -119,6 +123,8 @@ def _run_variant(t, name, args, data):
         params.update(var_freeze_step=args.warmup, local_step_scaler=1, local_step_clipper=2)
     cfg = {"optimizer": {"type": opt, "params": params}, "zero_optimization": zero,
            "zpp": {"check_metadata": False, "unit_min_numel": 100_000}}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}  # no overflow: the timed steps compress
     model = trainlib.make_model(args)
     psi = sum(p.numel() for p in model.parameters())
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
@@ -156,13 +162,17 @@ def _run_variant(t, name, args, data):
     step_s = wall / n - ms["probe"] / 1e3
     flags = 1 if CHECK_OP in snap else 0  # the check's own all-reduces per step
     added = ms["scan"] + flags * latency
+    extra = {}
+    if fp16 and ms["scan"]:  # the fused pass replaces the plain unscaling multiply: count the difference
+        extra = _fused_vs_plain_unscale(psi)
+        added = extra["fused_ms"] - extra["mul_ms"] + flags * latency
     return {
         "variant": name, "params": psi, "step_s": step_s,
         # the engine's whole check_grads: the pre-existing norm (and its all-reduce) plus the check
         "check_ms": ms["check"], "check_ms_max": ms_max["check"],
         # the check's own work: the scan (rank-local) and the flag all-reduce, timed in the step
         # (which includes waiting for the slowest rank) and alone (its latency)
-        "scan_ms": ms["scan"], "scan_ms_max": ms_max["scan"],
+        "scan_ms": ms["scan"], "scan_ms_max": ms_max["scan"], "fp16": fp16,
         "flag_in_step_ms": ms["flag"], "flag_latency_ms": latency,
         "added_ms": added, "added_pct_of_step": 100 * added / 1e3 / step_s,
         # a standalone check beside a folded one: scan of this rank's gradient + flag
@@ -170,7 +180,26 @@ def _run_variant(t, name, args, data):
         "probe_ms": ms["probe_scan"] + latency if ms["probe"] else 0.0,
         "check_bytes": check_b, "probe_bytes": snap[PROBE].wire_bytes / n if PROBE in snap else 0.0,
         "step_bytes": sum(v.wire_bytes for k, v in snap.items() if k != PROBE) / n,
+        **extra,
     }
+
+
+def _fused_vs_plain_unscale(numel: int, calls: int = 5) -> dict:
+    """Median milliseconds of the fused check-and-unscale and of a plain ``mul_`` over a
+    ``numel`` fp32 buffer, in this process (the unscaling runs under fp16 with or without
+    the check; the check adds the difference)."""
+    x = torch.randn(numel)
+    found, inv = torch.zeros(1), torch.full((1,), 1.0)
+    out = {}
+    for name, fn in (("mul_ms", lambda: x.mul_(1.0)),
+                     ("fused_ms", lambda: torch._amp_foreach_non_finite_check_and_unscale_([x], found, inv))):
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = 1e3 * sorted(times)[calls // 2]
+    return out
 
 
 def _flag_latency(t, calls: int = 30) -> float:

@@ -210,15 +210,15 @@ class ZeroEngine:
             for u in trained:
                 u.reduce_grads()
                 u.reduced = False
-        clip = self.config.gradient_clipping
+        clip, scale = self.config.gradient_clipping, self.loss_scaler.cur_scale
         check = check_grads(trained, world=self.world, clip=clip, sharded=self.comms.degree > 1,
-                            local=self.onebit_views is not None)
+                            local=self.onebit_views is not None, scale=scale)
         if not check.finite:
             self._skip_step(trained)
             return
-        scale = self.loss_scaler.cur_scale
         self.loss_scaler.update(False, step=self.global_steps + 1)
-        self.last_grad_norm = unscale_and_clip(trained, norm=check.norm, clip=clip, scale=scale)
+        self.last_grad_norm = unscale_and_clip(trained, norm=check.norm, clip=clip, scale=scale,
+                                               unscaled=check.unscaled)
         views = self.onebit_views or ()
         for u, slot, v in views:
             v.grad = u.flat.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -20,7 +20,9 @@ collective of its own (see [Note: agreeing on a non-finite step] in
   of the gradient, which already carried any rank's NaN or Inf; the local norm agrees.
 * 1-bit optimizers (local gradients, see below): with clipping, the rms all-reduce
   carries it; without, :func:`~zpp.comm.nonfinite.any_rank_nonfinite` all-reduces one
-  4-byte flag, before the optimizer's compressed exchange runs.
+  4-byte flag, before the optimizer's compressed exchange runs. The local flag then costs
+  one read of the gradient, except under fp16, where it comes out of the unscaling pass
+  (torch's fused check-and-unscale, GradScaler's kernel), which runs anyway.
 
 With a 1-bit optimizer (see [Note: 1-bit optimizers] in :mod:`zpp.zero.optimizer`) the
 averaged gradient never exists outside the optimizer: its norm would need a full-precision
@@ -45,6 +47,10 @@ from zpp.comm.nonfinite import any_rank_nonfinite, has_nonfinite
 from zpp.comm.transport import Transport
 from zpp.zero.unit import Unit
 
+#: torch's fused unscale-and-check of GradScaler: multiplies every tensor by ``inv_scale``
+#: and sets ``found_inf`` if any element is not finite, in one pass (None if absent).
+_FUSED_UNSCALE = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+
 
 class GradCheck(NamedTuple):
     """The outcome of :func:`check_grads`, the same on every rank."""
@@ -52,23 +58,34 @@ class GradCheck(NamedTuple):
     finite: bool
     """No rank's gradient holds NaN or Inf."""
     norm: float | None
-    """The global norm of the gradients as they are (still scaled under fp16); None for a
-    1-bit optimizer without clipping."""
+    """The global norm of the gradients as they were checked (still scaled under fp16);
+    None for a 1-bit optimizer without clipping."""
+    unscaled: bool = False
+    """The check divided the gradients by the loss scale already (fused with the scan)."""
 
 
 def check_grads(units: Sequence[Unit], *, world: Transport, clip: float, sharded: bool,
-                local: bool) -> GradCheck:
+                local: bool, scale: float = 1.0) -> GradCheck:
     """The global gradient norm of ``units`` and whether it is finite on every rank; see
     [Note: the non-finite check rides on the norm]. ``sharded``: each rank holds a range
     of the averaged gradient; ``local``: each rank holds its own unaveraged gradient
-    (1-bit optimizers). Collective where the gradient is sharded or local."""
+    (1-bit optimizers); ``scale``: the fp16 loss scale in the gradients. Collective where
+    the gradient is sharded or local."""
+    # on the gradients' device (NCCL all-reduces device tensors only)
+    device = next((u.flat.grad.device for u in units if u.flat.grad is not None), torch.device("cpu"))
     if local and not clip:
-        mine = any(has_nonfinite(u.flat.grad) for u in units)
-        device = next((u.flat.grad.device for u in units if u.flat.grad is not None), "cpu")
-        return GradCheck(finite=not any_rank_nonfinite(world, mine, device), norm=None)
-    sq = torch.zeros((), dtype=torch.float64)
+        grads = [u.flat.grad for u in units if u.flat.grad is not None]
+        fused = scale != 1.0 and bool(grads) and _FUSED_UNSCALE is not None
+        if fused:
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+            _FUSED_UNSCALE(grads, found, torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device))
+            mine = bool(found[0] > 0)
+        else:
+            mine = any(has_nonfinite(g) for g in grads)
+        return GradCheck(finite=not any_rank_nonfinite(world, mine, device), norm=None, unscaled=fused)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for u in units:
-        sq += u.grad_norm_sq()
+        sq += u.grad_norm_sq().to(device)
     if local:  # rms of the local norms
         t = sq.reshape(1).clone()
         if world.world_size > 1:
@@ -82,11 +99,12 @@ def check_grads(units: Sequence[Unit], *, world: Transport, clip: float, sharded
     return GradCheck(finite=math.isfinite(norm), norm=norm)
 
 
-def unscale_and_clip(units: Sequence[Unit], *, norm: float | None, clip: float, scale: float = 1.0) -> float | None:
-    """Divide the units' ``flat.grad`` by the loss ``scale`` and, with ``clip`` > 0, scale
-    them so that their norm is at most ``clip`` (one multiplication). ``norm``: the norm of
-    the gradients as they are (from :func:`check_grads`). Returns the unscaled norm."""
-    factor = 1.0 / scale
+def unscale_and_clip(units: Sequence[Unit], *, norm: float | None, clip: float, scale: float = 1.0,
+                     unscaled: bool = False) -> float | None:
+    """Divide the units' ``flat.grad`` by the loss ``scale`` (unless ``unscaled``: the check
+    did) and, with ``clip`` > 0, scale them so that their norm is at most ``clip`` (one
+    multiplication). ``norm``: the norm from :func:`check_grads`. Returns the unscaled norm."""
+    factor = 1.0 if unscaled else 1.0 / scale
     unscaled = None if norm is None else norm / scale
     if clip > 0 and unscaled is not None:
         coef = clip / (unscaled + 1e-6)
