@@ -188,22 +188,22 @@ def _run_variant(t, name, args, data):
     }
 
 
-def _fused_vs_plain_unscale(numel: int, calls: int = 9) -> dict:
+def _fused_vs_plain_unscale(numel: int, calls: int = 15) -> dict:
     """Median milliseconds of the fused check-and-unscale and of a plain ``mul_`` over a
-    ``numel`` fp32 buffer, in this process (the unscaling runs under fp16 with or without
-    the check; the check adds the difference)."""
+    ``numel`` fp32 buffer, in this process, called alternately after one call of each (the
+    unscaling runs under fp16 with or without the check; the check adds the difference)."""
     x = torch.randn(numel)
     found, inv = torch.zeros(1), torch.full((1,), 1.0)
-    out = {}
-    for name, fn in (("mul_ms", lambda: x.mul_(1.0)),
-                     ("fused_ms", lambda: torch._amp_foreach_non_finite_check_and_unscale_([x], found, inv))):
-        times = []
-        for _ in range(calls):
+    fns = {"mul_ms": lambda: x.mul_(1.0),
+           "fused_ms": lambda: torch._amp_foreach_non_finite_check_and_unscale_([x], found, inv)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(calls + 1):
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = 1e3 * sorted(times)[calls // 2]
-    return out
+            if i:  # the first round warms both up
+                times[name].append(time.perf_counter() - t0)
+    return {k: 1e3 * sorted(v)[calls // 2] for k, v in times.items()}
 
 
 def _flag_latency(t, calls: int = 30) -> float:
