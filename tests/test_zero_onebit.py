@@ -63,9 +63,10 @@ def test_config_translates_onebit(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_params_are_the_optimizers_own(name):
-    """The accepted names are exactly the constructor's (less params and transport)."""
+    """The accepted names are exactly the constructor's (less params, transport and
+    nonfinite, which the engine sets: its own transport, its own non-finite check)."""
     cls = zo.OPTIMIZERS[name]
-    own = set(inspect.signature(cls.__init__).parameters) - {"self", "params", "transport"}
+    own = set(inspect.signature(cls.__init__).parameters) - {"self", "params", "transport", "nonfinite"}
     assert OPTIMIZER_PARAMS[name.lower()] == own
     other = {"OneBitAdam": "var_freeze_step", "ZeroOneAdam": "freeze_step", "OneBitLamb": "local_step_clipper"}[name]
     ds = {"optimizer": {"type": name, "params": {"lr": 1e-3, other: 3, "momentum": 0.9}}}

@@ -386,8 +386,38 @@ def _reload(t, tmp):
     return out, position, plain, keys
 
 
+def _skip_on_one_node(t, tmp):
+    """Node 1 skips step 3 (a NaN gradient on its ranks only), node 0 applies it; with syncs in
+    the background (delay 1) the nodes still start each sync at the same step, so a
+    checkpoint right after the start of one completes (it waited forever before), and the
+    schedule positions agree. See [Note: skipped steps and the outer schedule]."""
+    e = _engine(t, _cfg(0, {"sync_every": 4, "fragments": 2, "delay": 1}))
+    step = 0
+    node = t.rank // PER_NODE
+
+    def hook(grad):
+        if node == 1 and step == 2:
+            grad = grad.clone()
+            grad.view(-1)[5] = float("nan")
+        return grad
+
+    handle = e.module.blocks[0].fc.weight.register_hook(hook)
+    for x, y in _node_batches(t, 4)[t.rank]:
+        loss = e(x, y)
+        e.backward(loss)
+        e.step()
+        step += 1
+    handle.remove()
+    pending = len(e.outer._pending)
+    e.save_checkpoint(tmp, tag="skipped")
+    out = (e.skipped_steps, e.outer.position, pending, e.outer.stats.started, e.outer.stats.landed)
+    e.close()
+    return out
+
+
 def _world_b(t, tmp):
-    return {**_streaming(t), **_resume(t, tmp), "saved": _saved_for_reload(t, tmp)}
+    return {**_streaming(t), **_resume(t, tmp), "saved": _saved_for_reload(t, tmp),
+            "skip": _skip_on_one_node(t, tmp)}
 
 
 @pytest.mark.timeout(240)
@@ -411,6 +441,8 @@ def test_outer_streaming_and_resume(tmp_path, backend):
         assert r["1bit"][0] and r["plain"][0], (rank, r["1bit"], r["plain"])
         assert r["resharded"] <= 1e-5, (rank, r["resharded"])
     print({k: v for k, v in res[0].items() if k != "saved"})
+    for rank, r in enumerate(res):  # (skipped, position, pending, started, landed) after 4 steps
+        assert r["skip"] == (rank // PER_NODE, 4, 1, 2, 1), (rank, r["skip"])
     # the hierarchical checkpoint into 2 nodes x 1 rank: each node its own replica, its own
     # anchor and momentum, the schedule position
     again = run_world(_reload, NODES, backend=backend, ranks_per_node=1, args=(str(tmp_path),), timeout=100)

@@ -19,6 +19,19 @@ one group is one contiguous slice and one parameter is one contiguous view. Each
    all-reduce per step).
 4. ``write_params``: the new values are copied back (rounded to the parameter's dtype).
 
+[Note: non-finite gradients]
+Between steps 2 and 3 every rank checks its flat gradient for NaN and Inf and the ranks
+agree with one 4-byte all-reduce (:func:`zpp.comm.nonfinite.any_rank_nonfinite`) *before*
+any exchange of the gradient or momentum: a rank with a NaN never enters the 1-bit
+exchange alone (its compressor would fail, and the error-feedback buffers of every rank
+would take the NaN). If any rank's gradient is not finite, every rank skips the step:
+nothing is communicated further, no state changes (moments, error-feedback buffers, step
+and phase counters, parameters), ``overflow`` is True and ``skipped_steps`` counts it;
+with ``nonfinite="raise"`` every rank then raises
+:class:`~zpp.comm.nonfinite.NonFiniteGradientError`. ``nonfinite=None`` leaves the check
+to the caller (the zpp engine checks every step itself, folding the flag into a
+collective it runs anyway, and never calls ``step`` with non-finite gradients).
+
 [Note: per-rank state]
 The 1-bit all-reduce keeps a worker and a server error buffer that differ on every rank
 (:class:`zpp.comm.onebit.OneBitAllReduce`), and 0/1 Adam's local steps make momentum and
@@ -35,6 +48,7 @@ from collections.abc import Iterable
 
 import torch
 
+from zpp.comm.nonfinite import NonFiniteGradientError, any_rank_nonfinite, has_nonfinite
 from zpp.comm.onebit import OneBitAllReduce
 from zpp.comm.transport import Transport
 
@@ -53,6 +67,8 @@ __all__ = [
 
 #: DeepSpeed's ``comm_backend_name`` values -> zpp transport registry names.
 COMM_BACKENDS = {"torch": "torch", "nccl": "torch", "gloo": "torch", "mpi": "mpi"}
+#: ``nonfinite=`` choices of the 1-bit optimizers; see [Note: non-finite gradients].
+NONFINITE = ("skip", "raise", None)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -224,9 +240,12 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
         comm_backend_name: str,
         cuda_aware: bool,
         amsgrad: bool,
+        nonfinite: str | None = "skip",
         **group_defaults,
     ) -> None:
         who = type(self).__name__
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"{who}: nonfinite={nonfinite!r} must be one of {NONFINITE}")
         if amsgrad:
             raise NotImplementedError(f"{who}: amsgrad=True is not supported by the 1-bit optimizers")
         self._layout_fixed = False
@@ -245,6 +264,12 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{who}: exp_avg_mask of parameter group {i} has {mask.numel()} elements, its "
                                  f"parameters {sl.stop - sl.start}")
         self.step_count = 0  # completed optimizer steps
+        #: what a step with NaN or Inf in some rank's gradient does; see [Note: non-finite gradients]
+        self.nonfinite = nonfinite
+        #: whether the latest step() was skipped for non-finite gradients (DeepSpeed's name)
+        self.overflow = False
+        #: steps skipped for non-finite gradients
+        self.skipped_steps = 0
         n, dev = self.flat.numel, self.flat.device
         self.buffers: dict[str, torch.Tensor | None] = {
             "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
@@ -296,6 +321,11 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.flat.sync_from_params()
         grad = self.flat.gather_grads()
+        self.overflow = self.nonfinite is not None and any_rank_nonfinite(
+            self.transport, has_nonfinite(grad), grad.device)
+        if self.overflow:  # see [Note: non-finite gradients]
+            self._skip()
+            return loss
         self.step_count += 1
         self._update(grad, self.step_count)
         self.flat.write_params()
@@ -303,6 +333,19 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
 
     def _update(self, grad: torch.Tensor, step: int) -> None:
         raise NotImplementedError
+
+    def _skip(self) -> None:
+        self.skipped_steps += 1
+        who, step = type(self).__name__, self.step_count + 1
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"{who}: step {step}: gradients hold NaN or Inf on some rank; the step was not applied on any "
+                "rank (nonfinite='raise'; 'skip' skips such steps)")
+        if self.transport.rank == 0:
+            from zpp.utils.logging import logger
+
+            logger.warning(f"[zpp] {who}: skipping step {step}: gradients hold NaN or Inf on some rank "
+                           f"(skipped so far: {self.skipped_steps})")
 
     def groups(self) -> list[tuple[int, dict, slice]]:
         """(index, param group, its slice of the flat buffer) of every non-empty group."""
@@ -339,6 +382,7 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
             "world_size": self.transport.world_size,
             "numel": self.flat.numel,
             "step": self.step_count,
+            "skipped_steps": self.skipped_steps,
             "param_groups": groups,
             "master": self.flat.master.clone(),
             "buffers": {k: (None if v is None else v.clone()) for k, v in self.buffers.items()},
@@ -368,6 +412,7 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
         self.buffers = {k: (None if v is None else v.to(dev, torch.float32).clone()) for k, v in sd["buffers"].items()}
         self.scalars = _copy_scalars(sd["scalars"])
         self.step_count = int(sd["step"])
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
         self.compressor = None
         if sd["onebit"] is not None and self.transport.world_size > 1:
             same = (sd["rank"], sd["world_size"]) == (self.transport.rank, self.transport.world_size)

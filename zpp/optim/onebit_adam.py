@@ -41,6 +41,10 @@ class OneBitAdam(FusedOneBitOptimizer):
         comm_backend_name: "nccl", "gloo", "torch" (the torch.distributed transport) or "mpi",
             used when ``transport`` is None (Default: "nccl").
         transport: the ranks to average over (Default: by ``comm_backend_name``).
+        nonfinite: a step with NaN or Inf in some rank's gradient is skipped on every rank
+            ("skip"), or skipped and then raises ``NonFiniteGradientError`` on every rank
+            ("raise"); None: the caller checks (see [Note: non-finite gradients] in
+            :mod:`zpp.optim._common`) (Default: "skip").
 
     ``state_dict()`` holds this rank's error-feedback buffers: see [Note: per-rank state]
     in :mod:`zpp.optim._common`.
@@ -60,11 +64,13 @@ class OneBitAdam(FusedOneBitOptimizer):
         comm_backend_name: str = "nccl",
         *,
         transport: Transport | None = None,
+        nonfinite: str | None = "skip",
     ) -> None:
         self.freeze_step = check_step(type(self).__name__, "freeze_step", freeze_step, 1)
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             transport=transport, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, amsgrad=amsgrad,
+            nonfinite=nonfinite,
         )
 
     def _update(self, grad: torch.Tensor, step: int) -> None:

@@ -68,6 +68,10 @@ class OneBitLamb(FusedOneBitOptimizer):
         factor_min: smallest correction factor (Default: 0.5).
         factor_threshold: largest relative change of the factor per step (Default: 0.1).
         transport: the ranks to average over (Default: by ``comm_backend_name``).
+        nonfinite: a step with NaN or Inf in some rank's gradient is skipped on every rank
+            ("skip"), or skipped and then raises ``NonFiniteGradientError`` on every rank
+            ("raise"); None: the caller checks (see [Note: non-finite gradients] in
+            :mod:`zpp.optim._common`) (Default: "skip").
 
     After each step ``last_lamb_coeffs`` holds the trust ratio used for every tensor.
     ``state_dict()`` holds this rank's error-feedback buffers: see [Note: per-rank state]
@@ -94,6 +98,7 @@ class OneBitLamb(FusedOneBitOptimizer):
         factor_threshold: float = 0.1,
         *,
         transport: Transport | None = None,
+        nonfinite: str | None = "skip",
     ) -> None:
         who = type(self).__name__
         self.freeze_step = check_step(who, "freeze_step", freeze_step, 1)
@@ -112,6 +117,7 @@ class OneBitLamb(FusedOneBitOptimizer):
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             transport=transport, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, amsgrad=amsgrad,
+            nonfinite=nonfinite,
             max_coeff=max_coeff, min_coeff=min_coeff,
         )
         k, dev = len(self.flat.params), self.flat.device

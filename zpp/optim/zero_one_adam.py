@@ -71,6 +71,10 @@ class ZeroOneAdam(FusedOneBitOptimizer):
         comm_backend_name: "nccl", "gloo", "torch" or "mpi", used when ``transport`` is None
             (Default: "nccl").
         transport: the ranks to average over (Default: by ``comm_backend_name``).
+        nonfinite: a step with NaN or Inf in some rank's gradient is skipped on every rank
+            ("skip"), or skipped and then raises ``NonFiniteGradientError`` on every rank
+            ("raise"); None: the caller checks (see [Note: non-finite gradients] in
+            :mod:`zpp.optim._common`) (Default: "skip").
 
     ``state_dict()`` is per rank (error buffers, and local steps make parameters and
     momentum differ between syncs): see [Note: per-rank state] in :mod:`zpp.optim._common`.
@@ -93,6 +97,7 @@ class ZeroOneAdam(FusedOneBitOptimizer):
         comm_backend_name: str = "nccl",
         *,
         transport: Transport | None = None,
+        nonfinite: str | None = "skip",
     ) -> None:
         who = type(self).__name__
         self.var_freeze_step = check_step(who, "var_freeze_step", var_freeze_step, 1)
@@ -102,6 +107,7 @@ class ZeroOneAdam(FusedOneBitOptimizer):
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             transport=transport, comm_backend_name=comm_backend_name, cuda_aware=cuda_aware, amsgrad=amsgrad,
+            nonfinite=nonfinite,
         )
         self.buffers["anchor"] = self.flat.master.clone()  # x_sync: the parameters at the last sync
         self.scalars = {

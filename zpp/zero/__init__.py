@@ -6,6 +6,7 @@ config (:mod:`~zpp.zero.config`), translated from a DeepSpeed config at the edge
 (:mod:`~zpp.zero.deepspeed_config`, value checks in :mod:`~zpp.zero.checks`); every rank
 checks it runs the same one (:mod:`~zpp.zero.agreement`).
 """
+from zpp.comm.nonfinite import NonFiniteGradientError
 from zpp.zero.agreement import check_same_config
 from zpp.zero.api import initialize
 from zpp.zero.config import (
@@ -22,12 +23,15 @@ from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.engine import ZeroEngine
 from zpp.zero.gathered import GatheredParameters
 from zpp.zero.init import Init
+from zpp.zero.loss_scale import LossScaler
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.schedulers import WarmupDecayLR, WarmupLR
 
 __all__ = [
     "ActivationCheckpointingConfig",
     "Fp16Config",
+    "LossScaler",
+    "NonFiniteGradientError",
     "OffloadConfig",
     "OptimizerConfig",
     "SchedulerConfig",

@@ -490,9 +490,10 @@ class TrainConfig:
     With a 1-bit optimizer the averaged gradient never exists outside the optimizer, so the
     norm clipped is ``sqrt(mean over ranks of ||local gradient||^2)``, an upper bound of the
     averaged gradient's norm (see [Note: 1-bit optimizers] in :mod:`zpp.zero.engine`)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Parameter dtype during training: "bf16" casts the model to bfloat16 and keeps fp32
-    master weights (Default: "fp32"). fp16 is ``fp16.enabled``."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter dtype during training: "bf16" / "fp16" cast the model to bfloat16 / float16
+    and keep fp32 master weights (Default: "fp32"). "fp16" and ``fp16.enabled`` are the
+    same switch: either sets the other, and ``fp16`` holds its loss scaling."""
     fp16: Fp16Config = dataclasses.field(default_factory=Fp16Config)
     """fp16 mixed precision and its loss scaling (Default: off)."""
     steps_per_print: int = 0
@@ -518,9 +519,8 @@ class TrainConfig:
         if self.gradient_accumulation_steps is not None:
             check_int(w, "gradient_accumulation_steps", self.gradient_accumulation_steps, lo=1)
         check_number(w, "gradient_clipping", self.gradient_clipping, lo=0)
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32' or 'bf16' "
-                             "(fp16 is fp16.enabled)")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32', 'bf16' or 'fp16'")
         check_int(w, "steps_per_print", self.steps_per_print, lo=0)
         for name, cls in (("fp16", Fp16Config), ("zero", ZeroConfig), ("zpp", ZppConfig),
                           ("activation_checkpointing", ActivationCheckpointingConfig)):
@@ -532,6 +532,10 @@ class TrainConfig:
         if self.fp16.enabled and self.precision == "bf16":
             raise ValueError("TrainConfig: fp16.enabled=True and precision='bf16': choose one (DeepSpeed "
                              "refuses both too)")
+        if self.fp16.enabled:  # one switch, two spellings (see the precision field)
+            object.__setattr__(self, "precision", "fp16")
+        elif self.precision == "fp16":
+            object.__setattr__(self, "fp16", dataclasses.replace(self.fp16, enabled=True))
         if self.optimizer is not None and self.optimizer.onebit and self.zero.stage >= 1:
             name = ONEBIT_OPTIMIZERS[self.optimizer.type]
             raise NotImplementedError(
@@ -586,8 +590,6 @@ class TrainConfig:
 #: Fields the typed config holds but the engine does not act on yet (see
 #: [Note: engine support]): name -> (asks for it?, what to say).
 ENGINE_PENDING: dict[str, tuple[Callable[[TrainConfig], bool], str]] = {
-    "fp16.enabled": (lambda c: c.fp16.enabled, "fp16 mixed precision with loss scaling; use bf16"),
-    "zpp.nonfinite": (lambda c: c.zpp.nonfinite == "raise", "raising on non-finite gradients"),
 }
 
 

@@ -656,9 +656,12 @@ def keys_markdown() -> str:
             else:
                 out.append(f"| `{k.path}` | {k.note} |")
         out.append("")
-    out += ["**Parsed, but refused by `zpp.initialize` until the engine runs them** (`ENGINE_PENDING`)", "",
-            "| field | what |", "|---|---|"]
-    out += [f"| `{name}` | {what} |" for name, (_, what) in ENGINE_PENDING.items()]
+    if ENGINE_PENDING:
+        out += ["**Parsed, but refused by `zpp.initialize` until the engine runs them** (`ENGINE_PENDING`)", "",
+                "| field | what |", "|---|---|"]
+        out += [f"| `{name}` | {what} |" for name, (_, what) in ENGINE_PENDING.items()]
+    else:
+        out += ["Every key the tables above call implemented, the engine runs (`ENGINE_PENDING` is empty)."]
     out += ["", "**zpp's own keys** (section `\"zpp\"`, `ZppConfig`)", "", "| key | default |", "|---|---|"]
     for f in dataclasses.fields(ZppConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

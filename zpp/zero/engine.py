@@ -10,11 +10,29 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 :mod:`~zpp.zero.reduce`     the gradient reductions (all-reduce, reduce-scatter, qgZ, local)
 :mod:`~zpp.zero.hooks`      the forward/backward hooks; :mod:`~zpp.zero.prefetch` gathers ahead
 :mod:`~zpp.zero.optimizer`  the optimizer and schedule over the fp32 masters (1-bit routing)
-:mod:`~zpp.zero.gradnorm`   gradient norm and clipping
+:mod:`~zpp.zero.gradnorm`   gradient norm, the non-finite check, unscaling and clipping
+:mod:`~zpp.zero.loss_scale` fp16 loss scaling (DeepSpeed's static and dynamic rules)
 :mod:`~zpp.zero.checkpoint` sharded, reshardable checkpoints; the consolidated state dict
 :mod:`~zpp.zero.memory`     model-state bytes per rank
 :mod:`~zpp.zero.outer`      the hierarchical mode (``zpp.outer``): DiLoCo across nodes
 ==========================  =============================================================
+
+[Note: skipped steps]
+At every accumulation boundary the engine checks the step's gradients on every rank (the
+check rides on the gradient-norm computation; see [Note: the non-finite check rides on the
+norm] in :mod:`zpp.zero.gradnorm`). If any rank's gradient holds NaN or Inf (under fp16:
+the loss scale overflowed), every rank skips the step as DeepSpeed's fp16 optimizers do,
+for every dtype: the gradients are dropped, the optimizer and its state (1-bit error
+feedback and counters included) and the learning-rate schedule do not move, the weights
+stay bit-identical; ``skipped_steps`` counts it, rank 0 logs it, ``global_steps`` still
+advances, ``was_step_applied()`` and ``optimizer.overflow`` say so, and the fp16 loss
+scale follows [Note: dynamic loss scale] in :mod:`zpp.zero.loss_scale`. With
+``zpp.nonfinite: "raise"`` the step is skipped the same way and then every rank raises
+:class:`~zpp.comm.nonfinite.NonFiniteGradientError` naming the step (except under dynamic
+fp16 loss scaling, where overflows are expected: the scale handles them, and the run fails
+only when the scale cannot go lower). ``optimizer.overflow``, ``optimizer.cur_scale`` and
+``optimizer.loss_scale`` (DeepSpeed's fp16 optimizer attributes) are plain attributes the
+engine sets on its optimizer after every step: read them, do not write them.
 """
 from __future__ import annotations
 
@@ -24,15 +42,18 @@ from typing import Any
 
 import torch
 
+from zpp.comm.nonfinite import NonFiniteGradientError
 from zpp.comm.transport import Transport
+from zpp.utils.logging import logger
 from zpp.zero import access, checkpoint
 from zpp.zero import init as zinit
 from zpp.zero.agreement import check_same_config, check_same_parameters
 from zpp.zero.comm_api import Comms, Phase
 from zpp.zero.config import TrainConfig
 from zpp.zero.gather import build_gathers
-from zpp.zero.gradnorm import clip_grads
+from zpp.zero.gradnorm import check_grads, unscale_and_clip
 from zpp.zero.hooks import EngineHooks
+from zpp.zero.loss_scale import LossScaler
 from zpp.zero.memory import model_state_bytes
 from zpp.zero.offload import Offload, settle
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
@@ -44,7 +65,8 @@ from zpp.zero.prefetch import Prefetcher, PrefetchStats
 from zpp.zero.reduce import build_reduce
 from zpp.zero.unit import Unit, UnitComms
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("zpp.zero")
 
 
@@ -67,8 +89,11 @@ class ZeroEngine(torch.nn.Module):
         lr_scheduler: the schedule, or None.
         training_dataloader: the loader :func:`initialize` built from ``training_data``, or None.
         onebit_views: with a 1-bit optimizer, the per-parameter views it steps, else None.
-        global_steps: optimizer steps taken; micro_steps: ``step()`` calls; global_samples:
-            samples trained on, over every rank.
+        global_steps: optimizer steps taken (skipped ones included, as DeepSpeed counts);
+            micro_steps: ``step()`` calls; global_samples: samples trained on, over every rank.
+        skipped_steps: optimizer steps skipped for non-finite gradients (fp16 overflows
+            included); see [Note: skipped steps].
+        loss_scaler: the fp16 :class:`~zpp.zero.loss_scale.LossScaler` (scale 1 without fp16).
     """
 
     def __init__(self, module: torch.nn.Module, *, config: TrainConfig, world: Transport,
@@ -81,8 +106,8 @@ class ZeroEngine(torch.nn.Module):
         check_same_config(world, config)
         if config.zpp.check_metadata is not None:
             world.check_metadata = config.zpp.check_metadata
-        if config.precision == "bf16":
-            _cast(module, torch.bfloat16)
+        if config.precision in _MODEL_DTYPES:  # fp32 masters: see Unit._materialize
+            _cast(module, _MODEL_DTYPES[config.precision])
         for name, p in module.named_parameters():
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"zpp.initialize: parameter {name} has dtype {p.dtype}; "
@@ -130,6 +155,10 @@ class ZeroEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+        self._step_applied = False
+        self._mirror_overflow(False)
 
     # ------------------------------------------------------------------ construction
     def _make_unit(self, index: int, named: list[tuple[str, torch.nn.Parameter]], group: int,
@@ -163,6 +192,10 @@ class ZeroEngine(torch.nn.Module):
 
     # ------------------------------------------------------------------ training API
     def forward(self, *args, **kwargs):
+        """The module's forward; with ``fp16.auto_cast``, floating-point tensors in the
+        arguments (also inside lists, tuples and dicts) are cast to fp16 first, as DeepSpeed's."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _to_half(args), _to_half(kwargs)
         return self.module(*args, **kwargs)
 
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: Any = None, pin_memory: bool = True,
@@ -245,11 +278,15 @@ class ZeroEngine(torch.nn.Module):
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps``; with sharded gradients, flush
-        the units whose gradients did not all arrive (see [Note: stage 3 hooks] in
-        :mod:`zpp.zero.hooks`), then release every gathered unit."""
+        """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale under
+        fp16, in fp32, as DeepSpeed's); with sharded gradients, flush the units whose
+        gradients did not all arrive (see [Note: stage 3 hooks] in :mod:`zpp.zero.hooks`),
+        then release every gathered unit. Returns ``loss`` as given."""
         gas = self.config.gradient_accumulation_steps
-        (loss / gas if gas > 1 else loss).backward()
+        scaled = loss / gas if gas > 1 else loss
+        if self.loss_scaler.enabled:
+            scaled = scaled.float() * self.loss_scaler.cur_scale
+        scaled.backward()
         if self.policy.reduce_each_micro_step:
             for u in self.units:
                 if u.trainable and (not u.reduced or u.has_unreduced_grads):
@@ -265,8 +302,10 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self) -> None:
         """Count a micro-step; at the accumulation boundary reduce (unless reduced at every
-        micro-step), clip, run the optimizer on the master shards, publish the new weights,
-        advance the schedule."""
+        micro-step), check the gradients on every rank, then either skip the step (see
+        [Note: skipped steps]) or unscale (fp16) and clip them, run the optimizer on the
+        master shards, publish the new weights and advance the schedule."""
+        self._step_applied = False
         self.micro_steps += 1
         if self.config.train_micro_batch_size_per_gpu is not None:
             self.global_samples += self.config.train_micro_batch_size_per_gpu * self.job_world.world_size
@@ -281,8 +320,18 @@ class ZeroEngine(torch.nn.Module):
             settle()
             for u in trained:
                 u.fold_host_grads()
-        self.last_grad_norm = clip_grads(trained, world=self.world, clip=self.config.gradient_clipping,
-                                         sharded=self.comms.degree > 1, local=self.onebit_views is not None)
+        clip, scale = self.config.gradient_clipping, self.loss_scaler.cur_scale
+        check = check_grads(trained, world=self.world, clip=clip, sharded=self.comms.degree > 1,
+                            local=self.onebit_views is not None, scale=scale)
+        if not check.finite:
+            if self.outer is not None and self.outer.after_inner_step():  # see [Note: skipped steps and the
+                for u in trained:                                         # outer schedule] in zero/outer/sync.py
+                    u.publish()
+            self._skip_step(trained)
+            return
+        self.loss_scaler.update(False, step=self.global_steps + 1)
+        self.last_grad_norm = unscale_and_clip(trained, norm=check.norm, clip=clip, scale=scale,
+                                               unscaled=check.unscaled)
         views = self.onebit_views or ()
         for u, slot, v in views:
             v.grad = u.flat.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -300,10 +349,63 @@ class ZeroEngine(torch.nn.Module):
             u.flat.invalidate_secondary()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self._step_applied = True
+        self._mirror_overflow(False)
+        self._count_step()
+
+    def _skip_step(self, trained: list[Unit]) -> None:
+        """The step's gradients are not finite on some rank (every rank agrees, see
+        :mod:`zpp.zero.gradnorm`): drop them, count, log, update the loss scale, raise if
+        the config says so. See [Note: skipped steps]."""
+        step = self.global_steps + 1
+        for u in trained:
+            u.flat.grad = None
+            if u.flat.master is not None:
+                u.flat.master.grad = None
+        for u in self.units:
+            u.flat.invalidate_secondary()  # as after a step: the next passes gather as they would
+        self.last_grad_norm = float("inf")
+        self.skipped_steps += 1
+        self._count_step()
+        scaler = self.loss_scaler
+        try:
+            change = scaler.update(True, step=step)  # may raise at min_loss_scale (every rank)
+        finally:
+            self._mirror_overflow(True)
+        if self.world.rank == 0:
+            what = f"[zpp] OVERFLOW! Skipping optimizer step {step}: gradients hold NaN or Inf on some rank"
+            if scaler.enabled:
+                logger.info(f"{what}; {change.describe()} (skipped so far: {self.skipped_steps})")
+            else:
+                logger.warning(f"{what} (skipped so far: {self.skipped_steps})")
+        if self.config.zpp.nonfinite == "raise" and not scaler.dynamic:
+            raise NonFiniteGradientError(
+                f"zpp: optimizer step {step} (micro-step {self.micro_steps}): gradients hold NaN or Inf on some "
+                "rank; the step was not applied on any rank (zpp.nonfinite='raise'; 'skip' skips such steps)")
+
+    def _count_step(self) -> None:
         self.global_steps += 1
         spp = self.config.steps_per_print
         if spp and self.global_steps % spp == 0 and self.job_world.rank == 0:
-            print(f"[zpp] step={self.global_steps} lr={self.get_lr()} grad_norm={self.last_grad_norm}", flush=True)
+            print(f"[zpp] step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
+                  f"grad_norm={self.last_grad_norm}", flush=True)
+
+    def _mirror_overflow(self, overflow: bool) -> None:
+        """DeepSpeed's fp16 optimizer attributes on the engine's optimizer; see [Note: skipped steps]."""
+        opt = self.optimizer
+        opt.overflow = overflow
+        opt.cur_scale = opt.loss_scale = self.loss_scaler.cur_scale
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest ``step()`` updated the weights: False between accumulation
+        boundaries and for a skipped step (DeepSpeed's)."""
+        return self._step_applied
+
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16). DeepSpeed's ``loss_scale()``
+        returns the configured ``fp16.loss_scale`` (0 under dynamic scaling); the scale in
+        force is what a script wants to log, so zpp returns it (``optimizer.cur_scale``)."""
+        return self.loss_scaler.cur_scale
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (both ``.grad`` and the reduced shards)."""
@@ -334,6 +436,18 @@ class ZeroEngine(torch.nn.Module):
         Collective with sharded parameters (gathers one unit at a time). In the hierarchical
         mode: this node's replica, gathered inside the node."""
         return checkpoint.consolidated_state_dict(self)
+
+    def step_state(self) -> dict[str, Any]:
+        """What checkpoints keep of the step path besides the optimizer and the counters
+        (``skipped_steps`` is one of those): the fp16 loss scaler's state."""
+        return {"loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_step_state(self, state: dict[str, Any] | None) -> None:
+        """Restore a :meth:`step_state` (None, from a checkpoint without it: nothing)."""
+        if not state:
+            return
+        self.loss_scaler.load_state_dict(state.get("loss_scaler", {}))
+        self._mirror_overflow(False)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now; see :func:`zpp.zero.memory.model_state_bytes`."""
@@ -367,6 +481,19 @@ class ZeroEngine(torch.nn.Module):
             for u in self.units:
                 u.gather(Phase.EXACT)
         self.hooks.remove()
+
+
+def _to_half(obj: Any) -> Any:
+    """``obj`` with every floating-point tensor in it cast to fp16 (containers rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.half() if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_half(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_to_half(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_half(v) for v in obj)
+    return obj
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> None:

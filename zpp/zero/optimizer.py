@@ -19,6 +19,9 @@ gradients itself (full precision in warm-up, 1-bit compressed afterwards), so:
   1-bit LAMB's trust ratios stay per parameter tensor and no bucket padding enters the
   1-bit buffer;
 * gradient clipping uses the rms of the ranks' local norms (see :mod:`zpp.zero.gradnorm`);
+* non-finite gradients: the engine's check (the rms all-reduce, or a 4-byte flag without
+  clipping) runs before the optimizer, which is built with ``nonfinite=None`` and never
+  stepped on a skipped step, so its error-feedback buffers and counters stay untouched;
 * checkpoints: every rank writes its optimizer ``state_dict`` (error-feedback buffers,
   phase and counters, and its own weights, which differ between ranks between 0/1 Adam's
   syncs); see [Note: 1-bit optimizer state] in :mod:`zpp.zero.checkpoint.load`.
@@ -153,4 +156,5 @@ def _build_onebit(cfg: OptimizerConfig, params: list[dict], world: Transport) ->
                 f"zpp.initialize: optimizer.params.comm_backend_name={backend!r} asks for the {wants!r} "
                 f"transport but the engine runs on {world.name!r} (zpp.transport or transport=), "
                 "which the optimizer shares")
-    return zo.build(ONEBIT_OPTIMIZERS[cfg.type], params, transport=world, **cfg.params)
+    # nonfinite=None: the engine checks every step itself (see [Note: skipped steps] in zpp.zero.engine)
+    return zo.build(ONEBIT_OPTIMIZERS[cfg.type], params, transport=world, nonfinite=None, **cfg.params)

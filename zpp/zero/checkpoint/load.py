@@ -389,6 +389,8 @@ def _apply(engine, read: _Read) -> None:
     if read.load_optimizer:
         for g, saved in zip(opt.param_groups, read.extra["param_groups"], strict=True):
             g.update(saved)
+    if read.load_optimizer:  # the fp16 loss scale (DeepSpeed keeps it in its optimizer's state)
+        engine.load_step_state(read.extra.get("step_state"))
     if read.load_scheduler and engine.lr_scheduler is not None and read.extra["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(read.extra["scheduler"])
     buffers = dict(engine.module.named_buffers())

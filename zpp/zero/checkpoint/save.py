@@ -11,7 +11,8 @@ Layout of ``save_dir/tag/`` (format 2)::
     outer_rank00000.pt ...   in the hierarchical mode: each rank's outer sync state (schedule
                              position, pending syncs, error feedback); see [Note: outer
                              state in checkpoints] in zpp/zero/outer/sync.py
-    meta.pt                  buffers, optimizer hyper-parameters, scheduler state (rank 0)
+    meta.pt                  buffers, optimizer hyper-parameters, scheduler state, the fp16
+                             loss scaler's state (rank 0)
     client_state.pt          the caller's ``client_state`` dict (rank 0)
     meta.json                the manifest: world size, stage, counters, units, and the size
                              and CRC32 of every other file (see [Note: checksums])
@@ -249,6 +250,7 @@ def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_stat
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             "scheduler": sched.state_dict() if sched is not None else None,
             "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
+            "step_state": engine.step_state(),
         })
         put(CLIENT_STATE, client_state)
     return out

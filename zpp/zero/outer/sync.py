@@ -30,6 +30,15 @@ threads into the shared counters (their per-thread collective stacks keep them a
 Without delay the step runs the sync itself; so it does, counted in ``stats.foreground``, when
 the inter-node transport is not ``thread_safe`` (MPI without ``MPI_THREAD_MULTIPLE``).
 
+[Note: skipped steps and the outer schedule]
+A step whose gradients are not finite is skipped by every rank of its node (the engine's
+check runs inside the node; agreeing across nodes would cost a round trip on the slow link
+every step), so another node may apply it. The schedule still counts it: the engine calls
+:meth:`OuterSync.after_inner_step` for skipped steps too, so every node starts and lands each
+sync at the same step. Otherwise a node behind would start its half of a sync a step later
+than the others, and a checkpoint (a collective over every rank) taken in between would wait
+on a background sync that the node behind only joins after the checkpoint: a deadlock.
+
 [Note: outer state in checkpoints]
 The anchor and the momentum are per-element state of each unit's shard: they are saved with
 the unit's optimizer state (keys ``outer.anchor``, ``outer.momentum``), so they reshard like
@@ -135,11 +144,13 @@ class OuterSync:
         return self.inter.world_size
 
     # ------------------------------------------------------------------ the step
-    def after_inner_step(self) -> None:
-        """Count an applied inner step; land the syncs due and start those the schedule names
-        (the caller publishes the masters afterwards, as after every optimizer step)."""
+    def after_inner_step(self) -> bool:
+        """Count an inner step (applied or skipped, see [Note: skipped steps and the outer
+        schedule]); land the syncs due and start those the schedule names. True when an
+        update landed: the caller publishes the masters (as after every optimizer step)."""
         self.position += 1
         p, s = self.position, self.schedule
+        landed = self.stats.landed
         if s.delay:
             for f in s.landing(p):
                 self._land(f)
@@ -149,6 +160,7 @@ class OuterSync:
         if not s.delay:
             for f in starting:
                 self._land(f)
+        return self.stats.landed > landed
 
     def _start(self, f: int) -> None:
         frag = self.fragments[f]
