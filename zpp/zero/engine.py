@@ -15,6 +15,10 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 :mod:`~zpp.zero.checkpoint` sharded, reshardable checkpoints; the consolidated state dict
 :mod:`~zpp.zero.memory`     model-state bytes per rank
 :mod:`~zpp.zero.outer`      the hierarchical mode (``zpp.outer``): DiLoCo across nodes
+:mod:`~zpp.zero.offload`    ZeRO-Offload: optimizer state and parameter shards in host memory
+:mod:`~zpp.zero.precision`  bf16/fp16 casts of the model and (``fp16.auto_cast``) its inputs
+:mod:`~zpp.zero.accessors`  DeepSpeed's engine accessors (``global_rank``, ``get_lr()``, ...)
+:mod:`~zpp.zero.api`        ``initialize``, DeepSpeed's signature
 ==========================  =============================================================
 
 [Note: skipped steps]
@@ -47,6 +51,7 @@ from zpp.comm.transport import Transport
 from zpp.utils.logging import logger
 from zpp.zero import access, checkpoint
 from zpp.zero import init as zinit
+from zpp.zero.accessors import DeepSpeedAccessors
 from zpp.zero.agreement import check_same_config, check_same_parameters
 from zpp.zero.comm_api import Comms, Phase
 from zpp.zero.config import TrainConfig
@@ -61,16 +66,16 @@ from zpp.zero.outer import build_outer, node_world
 from zpp.zero.param_groups import ParamGroups
 from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
+from zpp.zero.precision import MODEL_DTYPES, cast_module, to_half
 from zpp.zero.prefetch import Prefetcher, PrefetchStats
 from zpp.zero.reduce import build_reduce
 from zpp.zero.unit import Unit, UnitComms
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("zpp.zero")
 
 
-class ZeroEngine(torch.nn.Module):
+class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     """Wraps a module for ZeRO data-parallel training, as DeepSpeed's engine does (an
     ``nn.Module`` holding the model as ``module``). Build it with :func:`initialize`.
 
@@ -106,8 +111,8 @@ class ZeroEngine(torch.nn.Module):
         check_same_config(world, config)
         if config.zpp.check_metadata is not None:
             world.check_metadata = config.zpp.check_metadata
-        if config.precision in _MODEL_DTYPES:  # fp32 masters: see Unit._materialize
-            _cast(module, _MODEL_DTYPES[config.precision])
+        if config.precision in MODEL_DTYPES:  # fp32 masters: see Unit._materialize
+            cast_module(module, MODEL_DTYPES[config.precision])
         for name, p in module.named_parameters():
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"zpp.initialize: parameter {name} has dtype {p.dtype}; "
@@ -195,84 +200,8 @@ class ZeroEngine(torch.nn.Module):
         """The module's forward; with ``fp16.auto_cast``, floating-point tensors in the
         arguments (also inside lists, tuples and dicts) are cast to fp16 first, as DeepSpeed's."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = _to_half(args), _to_half(kwargs)
+            args, kwargs = to_half(args), to_half(kwargs)
         return self.module(*args, **kwargs)
-
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: Any = None, pin_memory: bool = True,
-                     data_sampler: Any = None, collate_fn: Any = None, num_local_io_workers: int | None = None):
-        """A ``DataLoader`` over ``dataset`` for this rank, as DeepSpeed's: a
-        ``DistributedSampler`` over the data-parallel ranks (shuffled; call
-        ``loader.sampler.set_epoch(e)`` per epoch) unless ``data_sampler`` is given, and
-        ``train_micro_batch_size_per_gpu`` samples per batch unless ``batch_size`` is."""
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        del route  # DeepSpeed's train/eval routing only picks defaults
-        bs = batch_size if batch_size is not None else self.config.train_micro_batch_size_per_gpu
-        if bs is None:
-            raise ValueError("zpp.initialize: training_data= needs train_micro_batch_size_per_gpu (or "
-                             "train_batch_size) in the config")
-        sampler = data_sampler if data_sampler is not None else DistributedSampler(
-            dataset, num_replicas=self.job_world.world_size, rank=self.job_world.rank)
-        return DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate_fn,
-                          num_workers=num_local_io_workers or 0,
-                          pin_memory=pin_memory and torch.cuda.is_available())
-
-    @property
-    def global_rank(self) -> int:
-        return self.job_world.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.job_world.world_size
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.job_world.world_size
-
-    @property
-    def local_rank(self) -> int:
-        from zpp.comm.topology import Layout
-
-        return Layout.from_node_keys(self.job_world.rank, self.job_world.nodes).local_rank
-
-    @property
-    def device(self) -> torch.device:
-        u = next(iter(self.units), None)
-        return u.flat.device if u is not None else torch.device("cpu")
-
-    def train_micro_batch_size_per_gpu(self) -> int | None:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int | None:
-        return self.config.train_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
-
-    def zero_optimization(self) -> bool:
-        return self.config.zero.stage > 0
-
-    def optimizer_name(self) -> str | None:
-        """The config's optimizer type as DeepSpeed spells it, or the class name of the
-        optimizer passed in."""
-        from zpp.zero.config import ONEBIT_OPTIMIZERS
-
-        cfg = self.config.optimizer
-        if cfg is None:
-            return type(self.optimizer).__name__
-        return ONEBIT_OPTIMIZERS.get(cfg.type, cfg.type)
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -396,17 +325,6 @@ class ZeroEngine(torch.nn.Module):
         opt.overflow = overflow
         opt.cur_scale = opt.loss_scale = self.loss_scaler.cur_scale
 
-    def was_step_applied(self) -> bool:
-        """Whether the latest ``step()`` updated the weights: False between accumulation
-        boundaries and for a skipped step (DeepSpeed's)."""
-        return self._step_applied
-
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 without fp16). DeepSpeed's ``loss_scale()``
-        returns the configured ``fp16.loss_scale`` (0 under dynamic scaling); the scale in
-        force is what a script wants to log, so zpp returns it (``optimizer.cur_scale``)."""
-        return self.loss_scaler.cur_scale
-
     def zero_grad(self) -> None:
         """Drop accumulated gradients (both ``.grad`` and the reduced shards)."""
         for u in self.units:
@@ -423,12 +341,6 @@ class ZeroEngine(torch.nn.Module):
         """What stage 3 prefetch did (counts of prefetched, used, dropped gathers and of
         passes that fell back); see [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch`."""
         return self._prefetch.stats
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self.last_grad_norm
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -481,29 +393,3 @@ class ZeroEngine(torch.nn.Module):
             for u in self.units:
                 u.gather(Phase.EXACT)
         self.hooks.remove()
-
-
-def _to_half(obj: Any) -> Any:
-    """``obj`` with every floating-point tensor in it cast to fp16 (containers rebuilt)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.half() if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_half(v)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_to_half(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_half(v) for v in obj)
-    return obj
-
-
-def _cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``module.to(dtype)`` for floating parameters and buffers, also for parameters still
-    partitioned by :class:`zpp.zero.Init` (whose data must not be read)."""
-    for p in module.parameters():
-        if zinit.is_loose(p):
-            zinit.cast_loose(p, dtype)
-        elif p.is_floating_point():
-            p.data = p.data.to(dtype)
-    for b in module.buffers():
-        if b.is_floating_point():
-            b.data = b.data.to(dtype)
