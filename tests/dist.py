@@ -323,6 +323,10 @@ def _collect(world, world_size: int, resultdir: Path, deadline: float, timeout: 
     first_error = None  # monotonic time at which some rank failed or vanished
     all_in = None  # monotonic time at which every rank had reported
     while True:
+        # before the scan: a rank writes its file before it exits, so ranks seen gone here
+        # have their files found below (checked after the scan, a rank could write and exit
+        # in between and be reported as ended without reporting)
+        alive = world.alive()
         for r in range(world_size):
             path = resultdir / f"rank{r}.pkl"
             if r not in outcomes and path.exists():
@@ -330,7 +334,6 @@ def _collect(world, world_size: int, resultdir: Path, deadline: float, timeout: 
                 if not outcomes[r]["ok"] and first_error is None:
                     first_error = time.monotonic()
         now = time.monotonic()
-        alive = world.alive()
         if len(outcomes) == world_size:
             all_in = all_in or now
             if not alive or now - all_in > EXIT_GRACE_S:

@@ -124,6 +124,9 @@ def test_bench_two_ranks_table_json_and_plot(tmp_path):
     assert all(3.9 < x <= 4.0 for x in _ratio(rows["reduce_scatter"], "int8", 64 << 10))
     assert all(7.8 < x <= 8.0 for x in _ratio(rows["reduce_scatter"], "int4", 64 << 10))
     assert all(30 < x <= 32 for x in _ratio(rows["all_reduce"], "1bit", 16 << 10))
+    assert [r["variant"] for r in rows["all_reduce"][:4]] == ["none", "int8", "int4", "1bit"]
+    assert all(3.8 < x <= 4.0 for x in _ratio(rows["all_reduce"], "int8", 64 << 10))
+    assert all(7.5 < x <= 8.0 for x in _ratio(rows["all_reduce"], "int4", 64 << 10))
     # quantization error: nonzero and of the expected order
     assert all(0 < r["maxrelerr"] < 0.01 for r in rows["all_gather"] if r["variant"] == "int8")
     assert all(0 < r["maxrelerr"] < 0.2 for r in rows["all_gather"] if r["variant"] == "int4")
@@ -227,8 +230,8 @@ def test_sizes_syntax():
 
 def test_config_and_selection():
     chosen, skipped = applicable(("all_gather", "all_reduce"), ("int8", "1bit"))
-    assert chosen == [("all_gather", "int8"), ("all_reduce", "1bit")]
-    assert skipped == ["all_gather/1bit", "all_reduce/int8"]
+    assert chosen == [("all_gather", "int8"), ("all_reduce", "int8"), ("all_reduce", "1bit")]
+    assert skipped == ["all_gather/1bit"]
     with pytest.raises(ValueError, match="group_size=3"):
         BenchConfig(group_size=3)
     with pytest.raises(ValueError, match="'gather'"):

@@ -12,6 +12,7 @@ import torch
 from tests.dist import BACKENDS, run_world
 from zpp.comm import registry
 from zpp.comm.registry import get_transport, register_transport
+from zpp.comm.single import SingleRankTransport
 from zpp.comm.topology import Layout, Topology, agree_on_layout, topology_of
 from zpp.comm.transport import Transport
 
@@ -116,10 +117,15 @@ def test_topology_groups(nodes, per_node):
     for rank in range(world_size):
         world = _FakeTransport(rank, [r // per_node for r in range(world_size)])
         topo = Topology.build(world)
-        # every rank asks for every group, in the same order: all intra, then all inter
+        # every rank asks for every group, in the same order: all intra, then all inter;
+        # a group of one rank is a SingleRankTransport, asked of nobody
         want_intra = [tuple(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
         want_inter = [tuple(range(l, world_size, per_node)) for l in range(per_node)]
-        assert world.asked == want_intra + want_inter
+        assert world.asked == [g for g in want_intra + want_inter if len(g) > 1]
+        for sub in (topo.intra, topo.inter):
+            assert isinstance(sub, SingleRankTransport) == (sub.world_size == 1 and world_size > 1)
+            if isinstance(sub, SingleRankTransport):
+                assert sub.counters is world.counters and sub.ranks == (rank,)
         assert (topo.nodes, topo.ranks_per_node, topo.node, topo.local_rank) == (nodes, per_node, rank // per_node, rank % per_node)
         assert topo.intra.ranks == want_intra[rank // per_node]
         assert topo.inter.ranks == want_inter[rank % per_node]
@@ -144,11 +150,21 @@ def test_topology_of_caches():
 
 
 def test_topology_of_a_sub_transport():
-    """Node ids need not start at 0: the intra transport of node 1 is one node."""
+    """Node ids need not start at 0: the intra transport of node 1 is one node; its
+    inter-node group (this rank alone) asks the backend for nothing. The inter transport of
+    local rank 0 is two nodes of one rank each."""
     world = _FakeTransport(2, [0, 0, 1, 1])
     sub = topology_of(world).intra
     topo = topology_of(sub)
     assert (topo.nodes, topo.ranks_per_node, topo.intra.ranks) == (1, 2, (2, 3))
+    assert isinstance(topo.inter, SingleRankTransport) and topo.inter.ranks == (2,) and sub.asked == [(0, 1)]
+    across = topology_of(topology_of(world).inter)
+    assert (across.nodes, across.ranks_per_node, across.inter.ranks) == (2, 1, (0, 2))
+    assert isinstance(across.intra, SingleRankTransport) and across.intra.ranks == (2,)
+    x = torch.arange(3.0)
+    out = torch.empty(3)
+    across.intra.all_gather(out, x)  # one rank: a copy, nothing booked across nodes
+    assert torch.equal(out, x) and world.counters.total().wire_bytes == 0
 
 
 # ---------------------------------------------------------------------- registry

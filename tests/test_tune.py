@@ -266,7 +266,7 @@ def test_get_transport_takes_the_plan_backend(tmp_path, monkeypatch):
 def _world_plan(world_size: int) -> TunePlan:
     """all_gather: <8K none, <64K int8, else int4 (overall: mpi int4; torch's own: int4 too
     except 64K+ where torch measured int8 fastest); reduce_scatter: <16K int4, else none;
-    all_reduce: <16K none, else 1bit."""
+    all_reduce: <8K none, <16K int8, else 1bit."""
     def e(op, lo, hi, backend, compress):
         return {"op": op, "min_bytes": lo, "max_bytes": hi, "backend": backend, "compress": compress}
 
@@ -276,7 +276,8 @@ def _world_plan(world_size: int) -> TunePlan:
         "entries": [e("all_gather", 0, 8 * K, "mpi", "none"), e("all_gather", 8 * K, 64 * K, "mpi", "int8"),
                     e("all_gather", 64 * K, None, "mpi", "int4"),
                     e("reduce_scatter", 0, 16 * K, "mpi", "int4"), e("reduce_scatter", 16 * K, None, "mpi", "none"),
-                    e("all_reduce", 0, 16 * K, "mpi", "none"), e("all_reduce", 16 * K, None, "mpi", "1bit")],
+                    e("all_reduce", 0, 8 * K, "mpi", "none"), e("all_reduce", 8 * K, 16 * K, "mpi", "int8"),
+                    e("all_reduce", 16 * K, None, "mpi", "1bit")],
         "by_backend": {"torch": [e("all_gather", 0, 8 * K, "torch", "none"),
                                  e("all_gather", 8 * K, 64 * K, "torch", "int8"),
                                  e("all_gather", 64 * K, None, "torch", "int8")]},
@@ -288,7 +289,7 @@ def tuned_world(transport):
     import torch
 
     from zpp.comm import tuned
-    from zpp.comm.collectives import quantized_all_gather, quantized_reduce_scatter
+    from zpp.comm.collectives import quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
     from zpp.comm.onebit import OneBitAllReduce
     from zpp.comm.topology import topology_of
 
@@ -334,11 +335,15 @@ def tuned_world(transport):
     exact = torch.zeros(W * s)
     exact[:n] = total / W
     out["reduce_scatter odd"] = same(got, exact[r * s:(r + 1) * s])
-    # all_reduce: 4K none; 64K 1bit over two steps with the caller's error-feedback state
+    # all_reduce: 4K none; 8K int8; 64K 1bit over two steps with the caller's error-feedback state
     t = torch.randn(K, generator=g)
     want = t.clone()
     transport.all_reduce(want, op="mean")
     out["all_reduce 4096"] = same(tuned.all_reduce(t, transport=transport, plan=plan), want)
+    t = torch.randn(2 * K + 1, generator=g)  # 8K + 4 bytes: int8, quantized reduce-scatter + all-gather
+    want = t.clone()
+    quantized_all_reduce(want, topology=topo, bits=8, group_size=512)
+    out["all_reduce int8"] = same(tuned.all_reduce(t, transport=transport, plan=plan), want)
     mine, ref = OneBitAllReduce(16 * K, transport), OneBitAllReduce(16 * K, transport)
     ok = True
     for _ in range(2):
@@ -385,7 +390,8 @@ def test_tuned_collectives_follow_the_plan_in_a_two_rank_world():
                 continue
             assert value is True, (rank, key)
         assert out["choices"] == {"all_gather/none": 1, "all_gather/int8": 3, "reduce_scatter/int4": 1,
-                                  "reduce_scatter/none": 2, "all_reduce/none": 2, "all_reduce/1bit": 2}, rank
+                                  "reduce_scatter/none": 2, "all_reduce/none": 2, "all_reduce/int8": 1,
+                                  "all_reduce/1bit": 2}, rank
         assert "chooses 1bit" in out["1bit without onebit"] and "onebit=OneBitAllReduce(16384" in out["1bit without onebit"]
         assert "world of 4 ranks" in out["wrong world"] and "has 2 ranks" in out["wrong world"]
 

@@ -22,7 +22,8 @@ VARIANT_NAMES: dict[str, tuple[str, ...]] = {
     "all_gather": ("none", "int8", "int4"),
     # 2hop: qgZ's two hops uncompressed (the baseline that separates hierarchy from quantization)
     "reduce_scatter": ("none", "2hop", "int8", "int4"),
-    "all_reduce": ("none", "1bit"),
+    # int8/int4: quantized reduce-scatter + quantized all-gather (the zpp.outer all-reduce)
+    "all_reduce": ("none", "int8", "int4", "1bit"),
     "all_to_all": ("none",),
 }
 

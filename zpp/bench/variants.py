@@ -5,7 +5,7 @@ collective it is checked against and the error bound that decides ``#wrong``.
 |---|---|---|---|
 | all_gather | ``Transport.all_gather`` | ``quantized_all_gather`` (qwZ) | |
 | reduce_scatter | ``Transport.reduce_scatter`` (mean); 2hop: ``hierarchical_reduce_scatter`` | ``quantized_reduce_scatter`` (qgZ) | |
-| all_reduce | ``Transport.all_reduce`` (mean) | | ``OneBitAllReduce`` |
+| all_reduce | ``Transport.all_reduce`` (mean) | ``quantized_all_reduce`` (qgZ, then qwZ of the mean) | ``OneBitAllReduce`` |
 | all_to_all | ``Transport.all_to_all`` | | |
 
 [Note: inputs]
@@ -32,6 +32,9 @@ the benchmark dtype and ``step = 2**bits - 2``:
   ``(sum_r absmax_r(g) + sum_nodes absmax(partial_node(g))) / step / world``; the second
   term only when both hops run (more than one node and more than one rank per node), with
   ``absmax(partial)`` bounded by the exact node sum's absmax plus its first-stage error.
+* all_reduce, int8/int4: per slice of the mean (the rank that reduced it), the reduce-scatter's
+  bound above plus ``absmax(|exact mean| + that bound)`` of the slice's group over ``step``
+  (the all-gather's requantization of the mean).
 * all_reduce, 1bit: no element-wise bound exists (one sign and one scale per chunk is an
   approximation by design; error feedback repays it over later calls). Wrong elements are
   the non-finite ones and those that differ from rank 0's result (every rank must hold the
@@ -51,7 +54,10 @@ from typing import NamedTuple
 import torch
 
 from zpp.bench.config import VARIANT_NAMES, applicable
-from zpp.comm.collectives import hierarchical_reduce_scatter, quantized_all_gather, quantized_reduce_scatter
+from zpp.comm.collectives import (
+    effective_group_size, hierarchical_reduce_scatter, quantized_all_gather, quantized_all_reduce,
+    quantized_reduce_scatter,
+)
 from zpp.comm.onebit import OneBitAllReduce
 from zpp.comm.transport import Transport
 
@@ -260,6 +266,31 @@ def _all_reduce(env: Env, count: int, v: Variant) -> Case:
     return Case(run=lambda: t.all_reduce(work, op="mean"), check=check)
 
 
+def _quantized_all_reduce(env: Env, count: int, v: Variant) -> Case:
+    t, W = env.world, env.world.world_size
+    inp = env.blocks(v.op, count, t.rank)
+    work = inp.clone()
+
+    def call(y: torch.Tensor) -> None:
+        quantized_all_reduce(y, topology=env.topology, bits=v.bits, group_size=env.group_size)
+
+    def check() -> Check:
+        y = inp.clone()
+        call(y)
+        exact, inputs = _exact_mean(env, v.op, count)
+        s, step = count // W, 2**v.bits - 2
+        gs = effective_group_size(env.group_size, s)
+        bound = []
+        for j in range(W):  # slice j: reduced by rank j, then requantized for the all-gather
+            ex = exact[j * s:(j + 1) * s]
+            rs = _qgz_tolerance(env, [x[j * s:(j + 1) * s] for x in inputs], ex, v.bits)
+            bound.append(rs + _group_absmax(ex.abs() + rs, gs) / step)
+        bound = torch.cat(bound)
+        return _compare(y, exact, _quantized_tolerance(env, exact, bound, 1))
+
+    return Case(run=lambda: call(work), check=check)
+
+
 def _onebit_all_reduce(env: Env, count: int, v: Variant) -> Case:
     t = env.world
     inp = env.blocks(v.op, count, t.rank)
@@ -300,6 +331,7 @@ _EXACT = "any difference from the exact result"
 _SUM = "outside the rounding of a world-term sum: eps*(sum_r|x_r|+|exact|)"
 _QWZ = "outside absmax(source group)/(2^bits-2)"
 _QGZ = "outside (sum_r slice-group absmax + sum_nodes partial absmax)/(2^bits-2)/world"
+_QAR = "outside the qgZ bound of its slice plus absmax(slice group of the mean)/(2^bits-2)"
 _ONEBIT = "non-finite, or differs from rank 0's result (no element-wise bound)"
 
 VARIANTS: dict[tuple[str, str], Variant] = {
@@ -319,6 +351,10 @@ VARIANTS: dict[tuple[str, str], Variant] = {
         Variant(op="reduce_scatter", compress="int4", counter="quantized_reduce_scatter",
                 build=_reduce_scatter, bound=_QGZ, bits=4),
         Variant(op="all_reduce", compress="none", counter="all_reduce", build=_all_reduce, bound=_SUM),
+        Variant(op="all_reduce", compress="int8", counter="quantized_all_reduce", build=_quantized_all_reduce,
+                bound=_QAR, bits=8),
+        Variant(op="all_reduce", compress="int4", counter="quantized_all_reduce", build=_quantized_all_reduce,
+                bound=_QAR, bits=4),
         Variant(op="all_reduce", compress="1bit", counter="onebit_all_reduce", build=_onebit_all_reduce,
                 bound=_ONEBIT),
         Variant(op="all_to_all", compress="none", counter="all_to_all", build=_all_to_all, bound=_EXACT),

@@ -18,7 +18,9 @@ CLUSTER-EMULATION.md); the model is what compression is judged against.
 A compressed collective wraps its transport calls in :meth:`WireCounters.collective`, so its
 wire bytes are booked under its own name together with the logical bytes of the
 uncompressed data it stands for; compression ratios are then measured, not assumed.
-Sub-transports share their parent's counters.
+Sub-transports share their parent's counters, and may run on another thread (the
+hierarchical engine's outer sync, :mod:`zpp.zero.outer`): the stack of open collectives is
+per thread and the totals are updated under a lock.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class WireCounters:
     def __init__(self) -> None:
         self._stats: dict[str, OpStats] = {}
         self._local = threading.local()
+        self._lock = threading.Lock()
 
     def _stack(self) -> list[list]:
         if not hasattr(self._local, "stack"):
@@ -67,11 +70,15 @@ class WireCounters:
             frame[1] += intra
             frame[2] += inter
             return
-        s = self._stats.setdefault(op, OpStats())
-        s.calls += 1
-        s.logical_bytes += logical
-        s.intra_bytes += intra
-        s.inter_bytes += inter
+        self._add(op, logical, intra, inter)
+
+    def _add(self, op: str, logical: int, intra: int, inter: int) -> None:
+        with self._lock:
+            s = self._stats.setdefault(op, OpStats())
+            s.calls += 1
+            s.logical_bytes += logical
+            s.intra_bytes += intra
+            s.inter_bytes += inter
 
     @contextlib.contextmanager
     def collective(self, name: str, logical_bytes: int):
@@ -88,19 +95,16 @@ class WireCounters:
                 stack[-1][1] += frame[1]
                 stack[-1][2] += frame[2]
             else:
-                s = self._stats.setdefault(name, OpStats())
-                s.calls += 1
-                s.logical_bytes += logical_bytes
-                s.intra_bytes += frame[1]
-                s.inter_bytes += frame[2]
+                self._add(name, logical_bytes, frame[1], frame[2])
 
     def snapshot(self) -> dict[str, OpStats]:
         """A copy of the counters: ``{op or collective name: OpStats}``."""
-        return {k: dataclasses.replace(v) for k, v in self._stats.items()}
+        with self._lock:
+            return {k: dataclasses.replace(v) for k, v in self._stats.items()}
 
     def total(self) -> OpStats:
         t = OpStats()
-        for s in self._stats.values():
+        for s in self.snapshot().values():
             t.calls += s.calls
             t.logical_bytes += s.logical_bytes
             t.intra_bytes += s.intra_bytes
@@ -108,4 +112,5 @@ class WireCounters:
         return t
 
     def reset(self) -> None:
-        self._stats.clear()
+        with self._lock:
+            self._stats.clear()

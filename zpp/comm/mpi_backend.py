@@ -112,6 +112,11 @@ class MpiTransport(Transport):
 
     name = "mpi"
 
+    @property
+    def thread_safe(self) -> bool:
+        MPI = _mpi()
+        return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
     def __init__(
         self,
         comm: Any = None,

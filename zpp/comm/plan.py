@@ -33,8 +33,8 @@ open-ended, so every size has exactly one entry. The message size is the logical
 one call, as ``zpp bench`` counts them: the output of an all-gather, the input of a
 reduce-scatter or all-reduce. ``measured`` lists the benchmarked sizes inside the entry's
 range (an entry's weight in :meth:`TunePlan.backend` is their number, at least 1).
-Compressions: none/int8/int4 for all_gather and reduce_scatter, none/1bit for all_reduce
-(1bit only with ``allow_1bit``).
+Compressions: none/int8/int4 for all_gather and reduce_scatter, none/int8/int4/1bit for
+all_reduce (1bit only with ``allow_1bit``).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ TUNE_FILE_ENV = "ZPP_TUNE_FILE"
 COMPRESSIONS: dict[str, tuple[str, ...]] = {
     "all_gather": ("none", "int8", "int4"),
     "reduce_scatter": ("none", "int8", "int4"),
-    "all_reduce": ("none", "1bit"),
+    "all_reduce": ("none", "int8", "int4", "1bit"),
 }
 OPS = tuple(COMPRESSIONS)
 

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zpp.comm.single import SingleRankTransport
 from zpp.comm.transport import Transport
 
 RANKS_PER_NODE_ENV = "ZPP_RANKS_PER_NODE"
@@ -213,16 +214,30 @@ class Topology:
     def build(cls, world: Transport) -> Topology:
         """Collective over ``world``: derive the layout from ``world.nodes`` (which must be
         equal, contiguous nodes) and create every intra-node and every inter-node group on
-        every rank, in the same order, keeping the two that contain this rank."""
+        every rank, in the same order, keeping the two that contain this rank. A group of
+        one rank is a :class:`~zpp.comm.single.SingleRankTransport` (no backend group), so
+        the topology of a sub-transport (the ranks of one node, or one rank per node) can be
+        built too."""
         layout = Layout.from_node_keys(world.rank, world.nodes)
         per, n = layout.ranks_per_node, layout.nodes
+
+        def group(members: range) -> Transport | None:
+            if len(members) > 1 or world.world_size == 1:
+                return world.subgroup(members)
+            # one member: no backend group (see zpp.comm.single); every rank skips alike
+            m = members[0]
+            if m != world.rank:
+                return None
+            return SingleRankTransport(world.ranks[m], world.nodes[m], counters=world.counters,
+                                       check_metadata=world.check_metadata)
+
         intra = inter = None
         for node in range(n):
-            sub = world.subgroup(range(node * per, (node + 1) * per))
+            sub = group(range(node * per, (node + 1) * per))
             if node == layout.node:
                 intra = sub
         for local in range(per):
-            sub = world.subgroup(range(local, world.world_size, per))
+            sub = group(range(local, world.world_size, per))
             if local == layout.local_rank:
                 inter = sub
         if intra is None or inter is None:  # a backend broke the _subgroup contract

@@ -116,6 +116,14 @@ class Transport(abc.ABC):
     #: dtypes this backend can carry; others raise TypeError.
     supported_dtypes: tuple[torch.dtype, ...] = tuple(_DTYPE_CODES)
 
+    @property
+    def thread_safe(self) -> bool:
+        """Whether this transport's collectives may run on another thread while the caller's
+        thread runs collectives of other groups of the same job (each group still used by one
+        thread at a time). True for torch.distributed's process groups; an MPI library must
+        provide ``MPI_THREAD_MULTIPLE`` (Default: True)."""
+        return True
+
     def __init__(
         self,
         rank: int,

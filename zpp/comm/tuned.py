@@ -3,7 +3,7 @@
     from zpp.comm import tuned
     tuned.all_gather(full, shard, transport=world)            # plain, int8 or int4 qwZ
     tuned.reduce_scatter(grad_shard, grad, topology=topo)     # plain or int8/int4 qgZ (mean)
-    tuned.all_reduce(m, transport=world, onebit=ef)            # plain or 1-bit (mean)
+    tuned.all_reduce(m, transport=world, onebit=ef)            # plain, int8/int4 or 1-bit (mean)
     tuned.choices()            # {"all_gather/int8": 12, "all_reduce/none": 3, ...}
 
 Each call looks up the plan's choice for its message size (the logical bytes, as ``zpp
@@ -16,8 +16,9 @@ is counted under ``"op/compression"`` in :func:`choices`, so what ran is never a
 Results match the corresponding collective exactly: ``Transport.all_gather``,
 ``Transport.reduce_scatter(op="mean")`` and ``Transport.all_reduce(op="mean")`` for plain,
 :func:`~zpp.comm.collectives.quantized_all_gather` /
-:func:`~zpp.comm.collectives.quantized_reduce_scatter` with the plan's quantization group
-size for int8/int4, and the caller's :class:`~zpp.comm.onebit.OneBitAllReduce` for 1bit
+:func:`~zpp.comm.collectives.quantized_reduce_scatter` /
+:func:`~zpp.comm.collectives.quantized_all_reduce` with the plan's quantization group size
+for int8/int4, and the caller's :class:`~zpp.comm.onebit.OneBitAllReduce` for 1bit
 (whose error-feedback buffers must live across steps, so the caller owns it; a plan that
 chooses 1bit for a call without ``onebit=`` raises ValueError).
 
@@ -32,7 +33,7 @@ from collections import Counter
 
 import torch
 
-from zpp.comm.collectives import quantized_all_gather, quantized_reduce_scatter
+from zpp.comm.collectives import quantized_all_gather, quantized_all_reduce, quantized_reduce_scatter
 from zpp.comm.onebit import OneBitAllReduce
 from zpp.comm.plan import TunePlan, load_plan
 from zpp.comm.transport import Transport
@@ -128,7 +129,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, *, topology,
 
 def all_reduce(t: torch.Tensor, *, transport: Transport, plan: TunePlan | str | os.PathLike | None = None,
                onebit: OneBitAllReduce | None = None) -> torch.Tensor:
-    """Replace ``t`` by the MEAN over ranks, plain or 1-bit compressed with error feedback as
+    """Replace ``t`` by the MEAN over ranks, plain, int8/int4 (quantized reduce-scatter and
+    all-gather over ``topology_of(transport)``) or 1-bit compressed with error feedback as
     the plan chooses for ``t``'s bytes. 1bit runs ``onebit(t)`` (the caller's stateful
     :class:`~zpp.comm.onebit.OneBitAllReduce` for this tensor); ValueError when the plan
     chooses 1bit and none is given. Returns ``t``."""
@@ -143,6 +145,12 @@ def all_reduce(t: torch.Tensor, *, transport: Transport, plan: TunePlan | str | 
             )
         _CHOICES["all_reduce/1bit"] += 1
         return onebit(t)
+    if compress in _BITS:
+        from zpp.comm.topology import topology_of
+
+        _CHOICES[f"all_reduce/{compress}"] += 1
+        return quantized_all_reduce(t, topology=topology_of(transport), bits=_BITS[compress],
+                                    group_size=plan.group_size)
     _CHOICES["all_reduce/none"] += 1
     transport.all_reduce(t, op="mean")
     return t

@@ -8,8 +8,8 @@ stays within ``--max-error``.
     mpiexec -n 8 zpp tune                        # inside a launched world: its backend only
     ZPP_TUNE_FILE=zpp_tune.json python train.py  # use it: get_transport(), zpp.comm.tuned
 
-The sweep is ``zpp bench``'s (all_gather and reduce_scatter: none, int8, int4; all_reduce:
-none, and 1bit with --allow-1bit). Alone, torch ranks are spawned in-process and the MPI
+The sweep is ``zpp bench``'s (all_gather, reduce_scatter and all_reduce: none, int8, int4;
+all_reduce also 1bit with --allow-1bit). Alone, torch ranks are spawned in-process and the MPI
 sweep runs ``python -m zpp bench --backend mpi`` (which starts mpiexec); with --cluster
 each backend's sweep runs on the live emulated cluster. The measured rows go to stderr,
 the decision table to stdout, the plan to --out (see zpp/comm/plan.py for the format and

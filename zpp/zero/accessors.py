@@ -12,7 +12,7 @@ __all__ = ["DeepSpeedAccessors"]
 
 
 class DeepSpeedAccessors:
-    """Mixed into :class:`~zpp.zero.engine.ZeroEngine`; reads ``config``, ``world``,
+    """Mixed into :class:`~zpp.zero.engine.ZeroEngine`; reads ``config``, ``job_world``,
     ``units``, ``optimizer``, ``loss_scaler``, ``last_grad_norm`` and ``_step_applied``."""
 
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: Any = None, pin_memory: bool = True,
@@ -29,28 +29,28 @@ class DeepSpeedAccessors:
             raise ValueError("zpp.initialize: training_data= needs train_micro_batch_size_per_gpu (or "
                              "train_batch_size) in the config")
         sampler = data_sampler if data_sampler is not None else DistributedSampler(
-            dataset, num_replicas=self.world.world_size, rank=self.world.rank)
+            dataset, num_replicas=self.job_world.world_size, rank=self.job_world.rank)
         return DataLoader(dataset, batch_size=bs, sampler=sampler, collate_fn=collate_fn,
                           num_workers=num_local_io_workers or 0,
                           pin_memory=pin_memory and torch.cuda.is_available())
 
     @property
     def global_rank(self) -> int:
-        return self.world.rank
+        return self.job_world.rank
 
     @property
     def world_size(self) -> int:
-        return self.world.world_size
+        return self.job_world.world_size
 
     @property
     def dp_world_size(self) -> int:
-        return self.world.world_size
+        return self.job_world.world_size
 
     @property
     def local_rank(self) -> int:
         from zpp.comm.topology import Layout
 
-        return Layout.from_node_keys(self.world.rank, self.world.nodes).local_rank
+        return Layout.from_node_keys(self.job_world.rank, self.job_world.nodes).local_rank
 
     @property
     def device(self) -> torch.device:

@@ -40,7 +40,7 @@ from typing import Any
 from zpp.zero.checks import (
     check_bool, check_choice, check_int, check_mapping, check_number, check_str, fail,
 )
-from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, ZppConfig
+from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, OuterConfig, ZppConfig
 
 __all__ = ["KEYS", "OFFLOAD_SECTIONS", "REFUSED_OPTIMIZERS", "REFUSED_SCHEDULERS", "STATUSES", "TOP_ALIASES", "WHERE",
            "ZERO", "ZERO_ALIASES", "DsKey", "keys_markdown"]
@@ -382,6 +382,10 @@ def keys_markdown() -> str:
     for f in dataclasses.fields(ZppConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append(f"| `zpp.{f.name}` | `{json.dumps(default)}` |")
+    out += ["", "**The hierarchical mode** (`\"zpp\": {\"outer\": {...}}`, `OuterConfig`; `null` for the "
+            "method's default)", "", "| key | default |", "|---|---|"]
+    for f in dataclasses.fields(OuterConfig):
+        out.append(f"| `zpp.outer.{f.name}` | `{json.dumps(f.default)}` |")
     aliases = ", ".join(f"`{a}` = `{k}`" for a, k in {**TOP_ALIASES, **{
         f"{_ZERO}.{a}": f"{_ZERO}.{k}" for a, k in ZERO_ALIASES.items()}}.items())
     out += ["", f"Aliases: {aliases}.", ""]

@@ -14,6 +14,7 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 :mod:`~zpp.zero.loss_scale` fp16 loss scaling (DeepSpeed's static and dynamic rules)
 :mod:`~zpp.zero.checkpoint` sharded, reshardable checkpoints; the consolidated state dict
 :mod:`~zpp.zero.memory`     model-state bytes per rank
+:mod:`~zpp.zero.outer`      the hierarchical mode (``zpp.outer``): DiLoCo across nodes
 :mod:`~zpp.zero.offload`    ZeRO-Offload: optimizer state and parameter shards in host memory
 :mod:`~zpp.zero.precision`  bf16/fp16 casts of the model and (``fp16.auto_cast``) its inputs
 :mod:`~zpp.zero.accessors`  DeepSpeed's engine accessors (``global_rank``, ``get_lr()``, ...)
@@ -61,6 +62,7 @@ from zpp.zero.loss_scale import LossScaler
 from zpp.zero.memory import model_state_bytes
 from zpp.zero.offload import Offload, settle
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
+from zpp.zero.outer import build_outer, node_world
 from zpp.zero.param_groups import ParamGroups
 from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
@@ -81,7 +83,10 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         module: the wrapped model.
         config: the :class:`TrainConfig` in force (batch sizes resolved for the world).
         policy: the :class:`ShardingPolicy` derived from it.
-        world: the transport over every rank.
+        world: the data-parallel transport ZeRO shards over: every rank, or the ranks of this
+            rank's node in the hierarchical mode (``zpp.outer``).
+        job_world: the transport over every rank of the job (data, checkpoints, batch sizes).
+        outer: the hierarchical mode's :class:`~zpp.zero.outer.OuterSync`, else None.
         comms: what the units share (:class:`UnitComms`: policy, gathers, reduction).
         units: the communication units, in flat order.
         optimizer: the torch optimizer over the fp32 master shards (one group per parameter
@@ -101,7 +106,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         super().__init__()
         self.module = module
         self.config = config = config.with_world(world.world_size)
-        self.world = world
+        self.job_world = self.world = world
         self.policy = policy = ShardingPolicy.from_config(config)
         check_same_config(world, config)
         if config.zpp.check_metadata is not None:
@@ -125,6 +130,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
                 log.warning("zpp.initialize: %d parameters differed between ranks (first: %r); rank 0's were "
                             "broadcast to every rank (seed the model identically to avoid this, or set "
                             "zpp.parameter_mismatch='raise')", len(synced), synced[0])
+        world = self.world = node_world(world, config)  # zpp.outer: ZeRO inside the node
         comms = Comms(world=world, topology=self._topology(), config=config)
         first = next(module.parameters(), None)
         self.offload = Offload.from_config(config, first.device if first is not None else torch.device("cpu"))
@@ -141,6 +147,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         try:
             self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
             self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
+            self.outer = build_outer(self)
         except Exception:
             self.close()  # the model is whole and free again (every rank fails alike here)
             raise
@@ -230,7 +237,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._step_applied = False
         self.micro_steps += 1
         if self.config.train_micro_batch_size_per_gpu is not None:
-            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.world.world_size
+            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.job_world.world_size
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return
         trained = [u for u in self.units if u.trainable]
@@ -246,6 +253,9 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         check = check_grads(trained, world=self.world, clip=clip, sharded=self.comms.degree > 1,
                             local=self.onebit_views is not None, scale=scale)
         if not check.finite:
+            if self.outer is not None and self.outer.after_inner_step():  # see [Note: skipped steps and the
+                for u in trained:                                         # outer schedule] in zero/outer/sync.py
+                    u.publish()
             self._skip_step(trained)
             return
         self.loss_scaler.update(False, step=self.global_steps + 1)
@@ -258,6 +268,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             for u in trained:
                 u.stage_grad()
         self.optimizer.step()
+        if self.outer is not None:  # an applied inner step: the outer sync (zpp.zero.outer) may land or start
+            self.outer.after_inner_step()
         for v in views:
             v.param.grad = None
         for u in trained:
@@ -303,7 +315,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def _count_step(self) -> None:
         self.global_steps += 1
         spp = self.config.steps_per_print
-        if spp and self.global_steps % spp == 0 and self.world.rank == 0:
+        if spp and self.global_steps % spp == 0 and self.job_world.rank == 0:
             print(f"[zpp] step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
                   f"grad_norm={self.last_grad_norm}", flush=True)
 
@@ -333,7 +345,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model ``state_dict`` (every key, tied names included), on every rank.
-        Collective with sharded parameters (gathers one unit at a time)."""
+        Collective with sharded parameters (gathers one unit at a time). In the hierarchical
+        mode: this node's replica, gathered inside the node."""
         return checkpoint.consolidated_state_dict(self)
 
     def step_state(self) -> dict[str, Any]:
@@ -350,7 +363,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now; see :func:`zpp.zero.memory.model_state_bytes`."""
-        return model_state_bytes(self.units, self.optimizer)
+        return model_state_bytes(self.units, self.optimizer, self.outer)
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
                         client_state: dict = {},  # noqa: B006 - DeepSpeed's signature; never mutated
@@ -371,7 +384,10 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def close(self) -> None:
         """Remove every hook the engine installed and, with sharded parameters, gather them
         back (collective: every rank calls it): the module holds its full weights again and
-        may be trained or wrapped anew."""
+        may be trained or wrapped anew. The hierarchical mode's syncs in flight are finished
+        first (their updates are not applied)."""
+        if getattr(self, "outer", None) is not None:
+            self.outer.close()
         if self.policy.shard_parameters and self.hooks.handles:
             self._prefetch.end_pass()
             for u in self.units:

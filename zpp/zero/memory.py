@@ -6,16 +6,25 @@ from collections.abc import Sequence
 import torch
 
 from zpp.optim._common import FusedOneBitOptimizer
+from zpp.zero.outer.sync import OuterSync
 from zpp.zero.unit import Unit
 
 
-def model_state_bytes(units: Sequence[Unit], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def model_state_bytes(units: Sequence[Unit], optimizer: torch.optim.Optimizer,
+                      outer: OuterSync | None = None) -> dict[str, int]:
     """Bytes of model states this rank holds now, each storage counted once: parameter
     storage (full buffers without sharded parameters; shards, hpZ secondaries and gathered
     or prefetched buffers with them), gradients (``.grad`` tensors and reduced fp32 shards),
     fp32 masters that do not alias the parameters, and optimizer state tensors (scalars
     such as ``step`` excluded; for a 1-bit optimizer its fused fp32 parameter and gradient
-    copies, moments and error-feedback buffers)."""
+    copies, moments and error-feedback buffers).
+
+    With the hierarchical mode (``outer``) a key ``"outer"`` adds its state
+    (:meth:`~zpp.zero.outer.OuterSync.state_bytes`): for each rank's shard of ``Ψ/R``
+    elements (``R`` ranks per node, the ZeRO degree in this mode) the fp32 synced weights
+    (``4Ψ/R``), with momentum the fp32 outer momentum (``4Ψ/R``), the averaged
+    pseudo-gradients of the syncs in flight (at most the fragments started within ``delay``
+    steps) and, with 1-bit compression, the error feedback (about ``4Ψ/R (1 + 1/N)``)."""
     seen: set[int] = set()
 
     def nbytes(t: torch.Tensor | None) -> int:
@@ -46,4 +55,6 @@ def model_state_bytes(units: Sequence[Unit], optimizer: torch.optim.Optimizer) -
         if o.compressor is not None:
             owned += [o.compressor.worker_error, o.compressor.server_error]
         out["optimizer"] += sum(nbytes(t) for t in owned)
+    if outer is not None:
+        out["outer"] = outer.state_bytes()
     return out

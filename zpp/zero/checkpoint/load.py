@@ -21,6 +21,16 @@ rank saves ``onebit_optim_rankR.pt``, its optimizer ``state_dict`` (error-feedba
 phase and counters, and its own weights). At the same world size every rank restores its
 own file and weights; at another world size every rank loads rank 0's (the replicated
 state; error feedback restarts, and the optimizer warns).
+
+[Note: loading replicas]
+A checkpoint of the hierarchical mode holds one replica per node (see [Note: replicas] in
+:mod:`.save`). A hierarchical engine with as many nodes loads its own node's replica, any
+ranks per node, stage or bucket size (the replica reshards as above), and its outer state:
+the anchor and momentum from the units' optimizer state, the rest from its rank's
+``outer_rankR.pt`` (see [Note: outer state in checkpoints] in zpp/zero/outer/sync.py). With
+another number of nodes, and for an engine without ``zpp.outer``, every rank loads replica 0.
+Without the optimizer states (``load_optimizer_states=False``, ``load_module_only``) the
+outer sync starts afresh from the loaded weights.
 """
 from __future__ import annotations
 
@@ -43,8 +53,10 @@ from zpp.zero.checkpoint.save import (
     FORMAT,
     META_JSON,
     META_PT,
+    OUTER_PREFIX,
     manifest_crc,
     onebit_name,
+    outer_name,
     shard_name,
 )
 
@@ -59,6 +71,7 @@ class _Read:
     extra: dict[str, Any]  # meta.pt
     client_state: dict
     onebit: dict | None
+    outer: tuple[dict | None, bool] | None  # (this rank's outer sync state, whether it is its own)
     load_optimizer: bool
     load_scheduler: bool
     load_counters: bool
@@ -94,7 +107,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: Any = None, load_m
             with the shards, naming the file and the tag.
         ValueError: the checkpoint does not fit the model (strict names, sizes).
     """
-    world = engine.world
+    world = engine.job_world
     want = {"optimizer": load_optimizer_states and not load_module_only,
             "scheduler": load_lr_scheduler_states and not load_module_only, "counters": not load_module_only}
     root = Path(load_dir)
@@ -150,7 +163,7 @@ def _read(engine, root: Path, tag: Any, *, strict: bool, optimizer: bool, schedu
             raise CheckpointError(f"load_checkpoint: {describe(path / name, tag)} is not in meta.json's files")
         return files[name]
 
-    by_name = _collect(path, meta, tag, record)
+    by_name = _collect(path, meta, tag, record, replica=_replica(engine, meta))
     extra = load_torch(path / META_PT, record(META_PT), tag)
     _check_save_id(extra, meta, path / META_PT, tag)
     _check_names(engine, by_name, extra, meta, path, strict)
@@ -161,9 +174,32 @@ def _read(engine, root: Path, tag: Any, *, strict: bool, optimizer: bool, schedu
         raise ValueError(f"load_checkpoint: the checkpoint {path} has {len(extra['param_groups'])} optimizer "
                          f"parameter groups, the engine {len(engine.optimizer.param_groups)}; pass "
                          "load_optimizer_states=False to start the optimizer afresh")
+    outer = None
+    if optimizer and engine.outer is not None:
+        outer = _read_outer(engine, path, meta, tag, record)
     client = load_torch(path / CLIENT_STATE, record(CLIENT_STATE), tag) if files is not None else {}
     units = [(u, *_unit_values(u, by_name, optimizer and onebit is None)) for u in engine.units]
-    return _Read(path, meta, units, extra, client, onebit, optimizer, scheduler, counters)
+    return _Read(path, meta, units, extra, client, onebit, outer, optimizer, scheduler, counters)
+
+
+def _replica(engine, meta: dict) -> int:
+    """Which replica this rank loads (see [Note: loading replicas])."""
+    outer = engine.outer
+    if outer is not None and meta.get("replicas", 1) == outer.replicas:
+        return outer.node
+    return 0
+
+
+def _read_outer(engine, path: Path, meta: dict, tag: str, record) -> tuple[dict | None, bool]:
+    """This rank's outer sync state when the checkpoint is of the same job world, else rank
+    0's (its position only is used), else None (a checkpoint without the mode)."""
+    own = meta["world_size"] == engine.job_world.world_size
+    f = path / outer_name(engine.job_world.rank if own else 0)
+    if not f.exists():
+        return None, own
+    state = load_torch(f, record(f.name), tag, mapped=True)
+    _check_save_id(state, meta, f, tag)
+    return state["outer"], own
 
 
 def read_parameters(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
@@ -206,10 +242,11 @@ def _check_save_id(obj: dict, meta: dict, f: Path, tag: str) -> None:
                               f"{obj.get('save_id')!r}, meta.json {meta['save_id']!r})")
 
 
-def _collect(path: Path, meta: dict, tag: str, record) -> dict[str, dict[str, Any]]:
-    """Per parameter name: ``{"values": fp32, <optimizer key>: tensor or scalar}``; see
-    [Note: resharding]. Checks the shards against ``meta.json``."""
-    ranks = range(1) if meta["degree"] == 1 else range(meta["world_size"])
+def _collect(path: Path, meta: dict, tag: str, record, replica: int = 0) -> dict[str, dict[str, Any]]:
+    """Per parameter name of replica ``replica``: ``{"values": fp32, <optimizer key>: tensor
+    or scalar}``; see [Note: resharding]. Checks the shards against ``meta.json``."""
+    per = meta.get("replica_ranks", meta["world_size"])  # see [Note: loading replicas]
+    ranks = range(replica * per, replica * per + (1 if meta["degree"] == 1 else per))
     declared = {tuple(u["names"]): u["numels"] for u in meta["units"]}
     pieces: dict[tuple, dict[int, dict]] = {k: {} for k in declared}
     for r in ranks:
@@ -333,13 +370,22 @@ def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, 
 # ---------------------------------------------------------------------- applying (every rank read everything)
 def _apply(engine, read: _Read) -> None:
     opt = engine.optimizer
+    outer = engine.outer
     for u, values, state in read.units:
         u.load_flat(values)
+        outer_state = None
+        if state:
+            outer_state = {k[len(OUTER_PREFIX):]: state.pop(k) for k in list(state) if k.startswith(OUTER_PREFIX)}
         if u.trainable and read.load_optimizer and read.onebit is None:
             if state:
                 opt.state[u.flat.master] = state
             else:
                 opt.state.pop(u.flat.master, None)
+        if outer is not None:  # see [Note: loading replicas]
+            outer.load_unit_state(u, outer_state if read.load_optimizer else None)
+    if outer is not None:
+        state, own = read.outer if read.outer is not None else (None, False)
+        outer.load_state_dict(state, own=own)
     if read.load_optimizer:
         for g, saved in zip(opt.param_groups, read.extra["param_groups"], strict=True):
             g.update(saved)

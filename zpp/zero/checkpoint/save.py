@@ -4,9 +4,13 @@ Layout of ``save_dir/tag/`` (format 2)::
 
     shard_rank00000.pt ...   per rank (rank 0 only when nothing is sharded): for each unit, its
                              owned range of the flat fp32 master weights (frozen units: the
-                             parameters) and of every per-element optimizer state tensor,
+                             parameters) and of every per-element optimizer state tensor
+                             (the hierarchical mode's anchor and outer momentum among them),
                              with the unit's names and sizes; see [Note: resharding]
     onebit_optim_rank00000.pt ...   with a 1-bit optimizer: each rank's optimizer state
+    outer_rank00000.pt ...   in the hierarchical mode: each rank's outer sync state (schedule
+                             position, pending syncs, error feedback); see [Note: outer
+                             state in checkpoints] in zpp/zero/outer/sync.py
     meta.pt                  buffers, optimizer hyper-parameters, scheduler state, the fp16
                              loss scaler's state (rank 0)
     client_state.pt          the caller's ``client_state`` dict (rank 0)
@@ -14,6 +18,14 @@ Layout of ``save_dir/tag/`` (format 2)::
                              and CRC32 of every other file (see [Note: checksums])
 
 and ``save_dir/latest`` names the newest tag.
+
+[Note: replicas]
+In the hierarchical mode (``zpp.outer``) every node trains its own replica, sharded over its
+own ranks, and the replicas differ between syncs: each node writes its own shard files (rank
+numbers are the job's, node-major, so node ``n``'s files are those of ranks ``n * R`` to
+``n * R + R - 1``; with nothing sharded, its first rank's alone). ``meta.json`` says
+``replicas`` (nodes) and ``replica_ranks`` (``R``); a checkpoint of one ZeRO world is one
+replica of all its ranks.
 
 [Note: save protocol]
 Three small collectives (:func:`~zpp.zero.checkpoint.agree.exchange`) order a save:
@@ -68,6 +80,14 @@ def onebit_name(rank: int) -> str:
     return f"onebit_optim_rank{rank:05d}.pt"
 
 
+def outer_name(rank: int) -> str:
+    return f"outer_rank{rank:05d}.pt"
+
+
+#: optimizer-state keys of a unit entry that belong to the outer sync (zpp.zero.outer)
+OUTER_PREFIX = "outer."
+
+
 def crash_point(phase: str) -> None:
     """Test seam: called at each phase of a save ("staged": a rank's staging directory is
     there, nothing written; "written": its files are written, before the ranks agree;
@@ -112,7 +132,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None,
             that is not a dict (on every rank).
         ConnectionError / TimeoutError: a rank was lost during the save (from the transport).
     """
-    world = engine.world
+    world = engine.job_world
     rank = world.rank
     root = Path(save_dir)
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
@@ -202,7 +222,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: Any = None,
 def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_state: dict,
                       exclude_frozen: bool, durable: bool) -> dict[str, dict]:
     """This rank's files in the staging directory; their records."""
-    world = engine.world
+    world = engine.job_world
     rank = world.rank
     out: dict[str, dict] = {}
 
@@ -216,7 +236,10 @@ def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_stat
     if engine.onebit_views is not None:  # see [Note: 1-bit optimizer state] in load.py
         put(onebit_name(rank), {"rank": rank, "world_size": world.world_size, "save_id": save_id,
                                 "optimizer": engine.optimizer.state_dict()})
-    if engine.comms.degree > 1 or rank == 0:  # unsharded: every rank holds the same values
+    if engine.outer is not None:
+        put(outer_name(rank), {"rank": rank, "world_size": world.world_size, "save_id": save_id,
+                               "outer": engine.outer.state_dict()})
+    if engine.comms.degree > 1 or engine.world.rank == 0:  # unsharded: a replica's ranks hold the same values
         put(shard_name(rank), {"format": FORMAT, "save_id": save_id, "rank": rank, "world_size": world.world_size,
                                "units": _unit_entries(engine, exclude_frozen)})
     if rank == 0:
@@ -247,6 +270,8 @@ def _unit_entries(engine, exclude_frozen: bool) -> list[dict[str, Any]]:
             entry["values"] = f.master.detach().clone()
             entry["optim"] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in opt.state.get(f.master, {}).items()}
+            if engine.outer is not None:  # per-element outer state reshards like the optimizer's
+                entry["optim"].update({OUTER_PREFIX + k: v for k, v in engine.outer.unit_state(u).items()})
         else:
             entry["values"] = f.shard.detach().float().clone()
         units.append(entry)
@@ -270,7 +295,9 @@ def _write_manifest(engine, staging: Path, tag: str, save_id: str, files: dict[s
                     exclude_frozen: bool, durable: bool) -> None:
     units = [u for u in engine.units if u.trainable or not exclude_frozen]
     manifest = {
-        "format": FORMAT, "tag": tag, "save_id": save_id, "world_size": engine.world.world_size,
+        "format": FORMAT, "tag": tag, "save_id": save_id, "world_size": engine.job_world.world_size,
+        "replicas": engine.outer.replicas if engine.outer is not None else 1,
+        "replica_ranks": engine.world.world_size,
         "stage": engine.config.zero.stage, "degree": engine.comms.degree, "precision": engine.config.precision,
         **{c: int(getattr(engine, c)) for c in COUNTERS if getattr(engine, c, None) is not None},
         "optimizer": type(engine.optimizer).__name__,

@@ -1,0 +1,289 @@
+"""Wall time to a target loss: torch DDP + AdamW, zpp ZeRO-3 + ZeRO++, zpp 1-bit Adam and the
+hierarchical mode (ZeRO inside the node, streaming compressed DiLoCo across nodes, ``zpp.outer``),
+on the same GPT, data and token count (issue 14).
+
+    python perf/diloco_bench.py --world 4 --ranks-per-node 2 --steps 20        # local ranks, no shaping
+    zpp cluster run --nodes 2 --ranks-per-node 2 -- python perf/diloco_bench.py --label 10mbit \\
+        --json perf/results/diloco_bench-10mbit.json          # inside a shaped cluster (take its lock)
+    python perf/diloco_bench.py --plot perf/results/diloco_bench-100mbit.json \\
+        perf/results/diloco_bench-10mbit.json --png perf/results/diloco_bench.png   # side by side
+
+Every variant trains ``--steps`` steps from the same initial weights on the same per-rank
+batches (tests/gpt.py's GPT on the stdlib character corpus), for each ``--seeds`` seed (model
+initialisation and data). Each rank records its training loss and its elapsed time after every
+step (from a common barrier); the curve is, per step, the loss averaged over the ranks against
+the slowest rank's time. A variant reaches the target when its loss, averaged over the last
+``--window`` steps, first falls to DDP's at its last step (the target is per seed).
+
+Rank 0 prints one line per variant and seed:
+
+    variant  seed  step_s  inter_B/step  final_loss  final/ddp  time_to_target_s  ddp/this
+
+* ``inter_B/step``: bytes per rank per step sent to other nodes, from zpp's wire counters
+  (DDP: the counters' model of one fp32 all-reduce, marked "(model)"); the hierarchical
+  mode's are its outer all-reduces spread over the steps.
+* ``final/ddp``: the windowed loss after the last step over DDP's (equal tokens).
+* ``ddp/this``: DDP's time to the target over this variant's (> 1: sooner than DDP).
+
+``--json`` writes the rows with their curves; ``--png`` plots loss against wall time (and
+against steps) for every variant and seed. ``--plot JSON...`` only plots earlier runs, one
+panel per run (for instance one per link rate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import runinfo  # noqa: E402
+import trainlib  # noqa: E402
+
+VARIANTS = ("ddp", "zero3-zeropp", "onebitadam", "diloco")
+LR = 1e-3
+
+
+def _outer(args) -> dict:
+    return {"method": "diloco", "sync_every": args.sync_every, "fragments": args.fragments, "delay": args.delay,
+            "compression": args.outer_compression}
+
+
+def _build(name, model, t, args):
+    """(net, backward(loss), step(), engine or None) for one variant."""
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(model) if t.world_size > 1 else model
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+        def opt_step():
+            opt.step()
+            opt.zero_grad()
+        return net, lambda loss: loss.backward(), opt_step, None
+    import zpp.zero as zz
+    from zpp.comm.topology import topology_of
+
+    adamw = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
+    zpp_section: dict = {"check_metadata": False}
+    if name == "zero3-zeropp":
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
+                "zero_quantized_gradients": True, "zero_hpz_partition_size": topology_of(t).ranks_per_node}
+        optimizer = adamw
+    elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
+        zero = {"stage": 0}
+        optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}
+    else:  # diloco: ZeRO inside the node, the outer sync across
+        zero = {"stage": args.inner_stage, "stage3_param_persistence_threshold": 0}
+        optimizer = adamw
+        zpp_section["outer"] = _outer(args)
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "optimizer": optimizer, "zero_optimization": zero,
+           "zpp": zpp_section}
+    engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
+    return engine, engine.backward, engine.step, engine
+
+
+def _model(args, seed):
+    from tests.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block))
+
+
+def _run(t, name, seed, args, data) -> dict:
+    model = _model(args, seed)
+    psi = sum(p.numel() for p in model.parameters())
+    net, backward, opt_step, engine = _build(name, model, t, args)
+    g = torch.Generator().manual_seed(1000 * seed + t.rank)  # this rank's stream, the same for every variant
+    losses, times = [], []
+    t.counters.reset()
+    t.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        x, y = data.batch(args.batch, args.block, g)
+        loss = net(x, y)
+        backward(loss)
+        opt_step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    snap = t.counters.snapshot()  # before the gathers below
+    t.barrier()
+    mine = torch.tensor([losses, times], dtype=torch.float64)
+    every = torch.empty(t.world_size * mine.numel(), dtype=torch.float64)
+    t.all_gather(every, mine.reshape(-1))
+    every = every.view(t.world_size, 2, args.steps)
+    row = {"variant": name, "seed": seed, "params": psi, "steps": args.steps,
+           "loss_curve": every[:, 0].mean(0).tolist(), "time_curve": every[:, 1].amax(0).tolist()}
+    row["step_s"] = row["time_curve"][-1] / args.steps
+    if engine is not None:
+        row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
+        row["bytes_source"] = "counters"
+        if engine.outer is not None:
+            s = engine.outer.stats
+            row["outer"] = {**_outer(args), "started": s.started, "landed": s.landed, "wait_s": s.wait_s,
+                            "state_bytes": engine.model_state_bytes().get("outer")}
+        engine.close()
+    else:
+        row["inter_bytes"], row["intra_bytes"] = trainlib.modelled_bytes("ddp", psi, t)
+        row["bytes_source"] = "model"
+    return row
+
+
+def windowed(curve: list[float], window: int) -> list[float]:
+    """The mean of the last ``window`` values (fewer at the start) at every step."""
+    out, acc = [], 0.0
+    for i, v in enumerate(curve):
+        acc += v
+        if i >= window:
+            acc -= curve[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def summarize(rows: list[dict], window: int) -> None:
+    """Add to every row the target (DDP's windowed loss at its last step, same seed), its time
+    to reach it (None: never), the final windowed loss over DDP's, DDP's time over its own."""
+    ddp = {r["seed"]: r for r in rows if r["variant"] == "ddp"}
+    for r in rows:
+        smooth = windowed(r["loss_curve"], window)
+        r["final_loss"] = smooth[-1]
+        ref = ddp.get(r["seed"])
+        if ref is None:
+            continue
+        target = windowed(ref["loss_curve"], window)[-1]
+        hit = next((i for i, v in enumerate(smooth) if v <= target), None)
+        r["target_loss"] = target
+        r["time_to_target_s"] = None if hit is None else r["time_curve"][hit]
+        r["steps_to_target"] = None if hit is None else hit + 1
+        r["final_over_ddp"] = r["final_loss"] / ref["final_loss"]
+    for r in rows:
+        ref = ddp.get(r["seed"])
+        if ref is not None and ref.get("time_to_target_s") and r.get("time_to_target_s"):
+            r["ddp_over_this"] = ref["time_to_target_s"] / r["time_to_target_s"]
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'variant':<14}{'seed':>5}{'step_s':>9}{'inter_B/step':>14}{'final_loss':>11}{'final/ddp':>10}"
+          f"{'time_to_target_s':>17}{'ddp/this':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<14}{r.get('seed', '-'):>5} failed: {r['error']}")
+            continue
+
+        def f(k, fmt):
+            v = r.get(k)
+            return "-" if v is None else format(v, fmt)
+        mark = "" if r["bytes_source"] == "counters" else " (model)"
+        print(f"{r['variant']:<14}{r['seed']:>5}{r['step_s']:>9.3f}{r['inter_bytes']:>14.0f}{r['final_loss']:>11.4f}"
+              f"{f('final_over_ddp', '.4f'):>10}{f('time_to_target_s', '.1f'):>17}{f('ddp_over_this', '.2f'):>9}{mark}")
+
+
+def plot(runs: list[dict], png: str) -> None:
+    """Loss against wall time (top) and against steps (bottom), one column per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 8), squeeze=False)
+    colors = dict(zip(VARIANTS, ("C0", "C1", "C2", "C3"), strict=True))
+    for col, run in enumerate(runs):
+        window = run["args"]["window"]
+        for r in run["rows"]:
+            if "error" in r:
+                continue
+            style = "-" if r["seed"] == min(x["seed"] for x in run["rows"] if "seed" in x) else "--"
+            smooth = windowed(r["loss_curve"], window)
+            label = f"{r['variant']} seed {r['seed']}"
+            axes[0][col].plot(r["time_curve"], smooth, style, color=colors.get(r["variant"]), label=label)
+            axes[1][col].plot(range(1, len(smooth) + 1), smooth, style, color=colors.get(r["variant"]), label=label)
+            if r["variant"] == "ddp":
+                for ax in axes[:, col]:
+                    ax.axhline(r["final_loss"], color="grey", linewidth=0.5)
+        axes[0][col].set_title(f"{run['args'].get('label') or 'unshaped'}: loss (mean of last {window} steps)")
+        axes[0][col].set_xlabel("wall time (s)")
+        axes[0][col].set_xscale("log")
+        axes[1][col].set_xlabel("step")
+        for ax in axes[:, col]:
+            ax.set_ylabel("training loss")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def _rank_main(t, args):
+    from tests.gpt import CharCorpus
+
+    data = CharCorpus(max_bytes=2_000_000)
+    rows = []
+    for seed in args.seeds:
+        for name in args.variants:
+            rows.append(_run(t, name, seed, args, data))
+    if t.rank != 0:
+        return
+    summarize(rows, args.window)
+    print(f"# diloco_bench: world={t.world_size} label={args.label or 'unshaped'} steps={args.steps} GPT "
+          f"n_layer={args.n_layer} n_embd={args.n_embd} block={args.block} batch={args.batch} "
+          f"params={rows[0]['params']} outer={_outer(args)} inner_stage={args.inner_stage}")
+    print_rows(rows)
+    run = {**runinfo.provenance(), "args": {k: v for k, v in vars(args).items() if k != "plot"}, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(run, f, indent=1)
+    if args.png:
+        plot([run], args.png)
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    trainlib.add_model_args(p, n_layer=4, n_embd=256, block=128, batch=4, steps=500, warmup=0)  # no warm-up:
+    # every step counts towards the wall time
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (model initialisation and data)")
+    p.add_argument("--window", type=int, default=20, help="steps the loss is averaged over")
+    p.add_argument("--label", default="", help="what the run was (a link rate); shown in the plot")
+    p.add_argument("--png", default=None, help="write the plot here (rank 0)")
+    p.add_argument("--freeze-step", type=int, default=50, help="1-bit Adam's warm-up steps")
+    p.add_argument("--inner-stage", type=int, default=2, help="the hierarchical mode's ZeRO stage inside the node")
+    p.add_argument("--sync-every", type=int, default=50, help="zpp.outer.sync_every (H)")
+    p.add_argument("--fragments", type=int, default=4, help="zpp.outer.fragments")
+    p.add_argument("--delay", type=int, default=1, help="zpp.outer.delay (tau)")
+    p.add_argument("--outer-compression", default="int4", help="zpp.outer.compression")
+    p.add_argument("--plot", nargs="+", default=None, metavar="JSON",
+                   help="only plot these earlier runs side by side into --png")
+    return p
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    if args.plot:
+        if not args.png:
+            p.error("--plot needs --png")
+        runs = []
+        for path in args.plot:
+            with open(path) as f:
+                runs.append(json.load(f))
+        plot(runs, args.png)
+        return
+    trainlib.parse_variants(p, args, VARIANTS)
+    if args.model != "gpt":
+        p.error(f"--model={args.model!r}: this benchmark trains tests/gpt.py's GPT only")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        p.error(f"--seeds={args.seeds!r}: comma-separated integers")
+    if args.steps < 1 or args.window < 1 or not args.seeds:
+        p.error(f"--steps={args.steps} and --window={args.window} must be >= 1, --seeds non-empty")
+    if not 0 <= args.delay < args.sync_every:
+        p.error(f"--delay={args.delay} must be in [0, --sync-every={args.sync_every})")
+    trainlib.launch(_rank_main, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""perf/diloco_bench.py's arithmetic (the run itself needs ranks and minutes: see its
+docstring): the windowed loss, the target taken from DDP's last step of the same seed, the
+time to reach it, and the plot of two runs side by side."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "perf"))
+    try:
+        spec = importlib.util.spec_from_file_location("diloco_bench", ROOT / "perf" / "diloco_bench.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(str(ROOT / "perf"))
+
+
+def _row(variant, seed, losses, step_s):
+    return {"variant": variant, "seed": seed, "loss_curve": losses,
+            "time_curve": [step_s * (i + 1) for i in range(len(losses))], "step_s": step_s,
+            "inter_bytes": 1.0, "bytes_source": "counters"}
+
+
+def test_windowed(bench):
+    assert bench.windowed([4.0, 2.0, 6.0, 0.0], 2) == [4.0, 3.0, 4.0, 3.0]
+    assert bench.windowed([1.0, 2.0, 3.0], 5) == [1.0, 1.5, 2.0]
+
+
+def test_summarize_time_to_target(bench):
+    ddp = _row("ddp", 0, [5.0, 4.0, 3.0, 2.0], 1.0)          # target: mean(3, 2) = 2.5, reached at step 4
+    fast = _row("diloco", 0, [5.0, 3.0, 2.0, 1.0], 0.1)       # windowed 5, 4, 2.5, 1.5: step 3, 0.3 s
+    never = _row("onebitadam", 0, [5.0, 5.0, 5.0, 5.0], 0.5)
+    other_seed = _row("ddp", 1, [9.0, 9.0], 1.0)
+    rows = [ddp, fast, never, other_seed]
+    bench.summarize(rows, window=2)
+    assert ddp["target_loss"] == 2.5 and ddp["time_to_target_s"] == 4.0 and ddp["steps_to_target"] == 4
+    assert fast["steps_to_target"] == 3 and fast["time_to_target_s"] == pytest.approx(0.3)
+    assert fast["ddp_over_this"] == pytest.approx(4.0 / 0.3) and fast["final_over_ddp"] == pytest.approx(1.5 / 2.5)
+    assert never["time_to_target_s"] is None and "ddp_over_this" not in never
+    assert other_seed["target_loss"] == 9.0  # its own seed's DDP
+    bench.print_rows(rows)
+
+
+def test_plot_side_by_side(bench, tmp_path):
+    rows = [_row("ddp", 0, [5.0, 4.0, 3.0], 1.0), _row("diloco", 0, [5.0, 3.0, 2.0], 0.1)]
+    bench.summarize(rows, window=1)
+    runs = []
+    for label in ("100mbit", "10mbit"):
+        p = tmp_path / f"{label}.json"
+        p.write_text(json.dumps({"args": {"window": 1, "label": label}, "rows": rows}))
+        runs.append(str(p))
+    png = tmp_path / "both.png"
+    bench.main(["--plot", *runs, "--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
