@@ -1,8 +1,8 @@
 """The engine's typed configuration.
 
 One source of truth: :class:`TrainConfig` (with :class:`ZeroConfig`, :class:`ZppConfig`,
-:class:`OuterConfig`,
-:class:`OptimizerConfig`, :class:`SchedulerConfig` (in :mod:`zpp.zero.optim_config`), :class:`Fp16Config`,
+:class:`OuterConfig` (in :mod:`zpp.zero.outer_config`), :class:`OptimizerConfig`,
+:class:`SchedulerConfig` (in :mod:`zpp.zero.optim_config`), :class:`Fp16Config`,
 :class:`OffloadConfig`, :class:`ActivationCheckpointingConfig`), frozen and validated at
 construction (every field type-checked; errors name the field and the value, see
 [Note: strict types] in :mod:`zpp.zero.checks`). A DeepSpeed-style dict or JSON file is
@@ -23,13 +23,25 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from zpp.zero.checks import (
-    check_bool, check_choice, check_int, check_number, check_str, check_str_tuple, fail,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_str,
+    check_str_tuple,
+    fail,
 )
-
 from zpp.zero.optim_config import (  # noqa: F401 - re-exported: part of the typed config
-    ONEBIT_OPTIMIZERS, OPTIMIZER_PARAM_CHECKS, OPTIMIZER_PARAMS, OPTIMIZERS, SCHEDULER_PARAM_CHECKS, SCHEDULERS,
-    OptimizerConfig, SchedulerConfig,
+    ONEBIT_OPTIMIZERS,
+    OPTIMIZER_PARAM_CHECKS,
+    OPTIMIZER_PARAMS,
+    OPTIMIZERS,
+    SCHEDULER_PARAM_CHECKS,
+    SCHEDULERS,
+    OptimizerConfig,
+    SchedulerConfig,
 )
+from zpp.zero.outer_config import OUTER_COMPRESSIONS, OUTER_METHODS, OuterConfig  # noqa: F401 - re-exported
 
 STAGES = (0, 1, 2, 3)
 QUANT_BITS = (4, 8)
@@ -114,106 +126,6 @@ class ZeroConfig:
         if self.stage == 0 and self.offload_optimizer.device != "none":
             raise ValueError(f"ZeroConfig: offload_optimizer.device={self.offload_optimizer.device!r} needs "
                              "stage >= 1, got stage=0")
-
-
-OUTER_METHODS = ("diloco", "sgd", "average")
-OUTER_COMPRESSIONS = ("none", "int8", "int4", "1bit")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class OuterConfig:
-    """The hierarchical mode (``"zpp": {"outer": {...}}``): the ZeRO stage and ZeRO++ switches
-    run inside each node; across nodes the replicas train apart for ``sync_every`` inner
-    steps and are reconciled by an outer optimizer on the averaged pseudo-gradient (DiLoCo,
-    Streaming DiLoCo). See :mod:`zpp.zero.outer`."""
-
-    method: Literal["diloco", "sgd", "average"] = "diloco"
-    """What the pseudo-gradient ``delta`` (weights at the last sync minus the current
-    weights, averaged over the nodes) does to the synced weights ``anchor``: "diloco": SGD
-    with momentum (Nesterov by default) on ``delta``, as DiLoCo's outer optimizer; "sgd":
-    ``anchor - lr * delta``; "average": ``anchor - delta``, the mean of the nodes' weights
-    (Default: "diloco")."""
-    sync_every: int = 100
-    """H: inner optimizer steps between two syncs of each fragment (Default: 100)."""
-    lr: float | None = None
-    """The outer learning rate; None: 0.7 for "diloco" (DiLoCo's), 1.0 for "sgd"; "average"
-    takes only None or 1 (Default: None)."""
-    momentum: float | None = None
-    """"diloco": the outer momentum, in [0, 1); None: 0.9 (DiLoCo's). "sgd" and "average"
-    take only None or 0 (Default: None)."""
-    nesterov: bool = True
-    """"diloco": Nesterov momentum (DiLoCo's), else heavy-ball (Default: True)."""
-    compression: Literal["none", "int8", "int4", "1bit"] = "none"
-    """How the pseudo-gradient crosses the nodes: "none": an fp32 all-reduce; "int8" /
-    "int4": a group-quantized reduce-scatter, then a quantized all-gather of the mean;
-    "1bit": the 1-bit all-reduce with error feedback (:mod:`zpp.comm.onebit`), whose error
-    buffers are checkpointed (Default: "none")."""
-    group_size: int = 2048
-    """int8 / int4: elements per fp32 scale (Default: 2048)."""
-    fragments: int = 1
-    """F: each rank's trainable weights cut into this many pieces of equal size, each
-    synced once per ``sync_every`` steps on its own staggered schedule, so the inter-node
-    traffic is spread over the steps (Streaming DiLoCo) (Default: 1)."""
-    delay: int = 0
-    """tau: inner steps from the start of a fragment's sync to the application of its outer
-    update, during which the sync runs in the background; 0: the step waits for it. Must be
-    below ``sync_every`` (Default: 0)."""
-    mix: float = 0.5
-    """With ``delay`` > 0: when a fragment's update lands, its weights become
-    ``mix * local + (1 - mix) * synced`` (Streaming DiLoCo's merge of the tau local steps);
-    0 takes the synced weights. Unused without delay (Default: 0.5)."""
-
-    def __post_init__(self) -> None:
-        w = "OuterConfig"
-        check_choice(w, "method", self.method, OUTER_METHODS)
-        check_int(w, "sync_every", self.sync_every, lo=1)
-        if self.lr is not None:
-            check_number(w, "lr", self.lr, lo=0, lo_open=True)
-        if self.momentum is not None:
-            check_number(w, "momentum", self.momentum, lo=0, hi=1, hi_open=True)
-        check_bool(w, "nesterov", self.nesterov)
-        check_choice(w, "compression", self.compression, OUTER_COMPRESSIONS)
-        g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2:
-            raise fail(w, "group_size", g, "a positive even integer")
-        check_int(w, "fragments", self.fragments, lo=1)
-        check_int(w, "delay", self.delay, lo=0, hi=self.sync_every - 1)
-        check_number(w, "mix", self.mix, lo=0, hi=1)
-        if self.method == "average" and self.lr not in (None, 1, 1.0):
-            raise ValueError(f"{w}: lr={self.lr!r} with method='average' (which is lr 1 without momentum); "
-                             "use method='sgd' for another outer learning rate")
-        if self.method != "diloco" and self.momentum not in (None, 0, 0.0):
-            raise ValueError(f"{w}: momentum={self.momentum!r} with method={self.method!r}, which has no "
-                             "momentum; use method='diloco'")
-
-    @property
-    def outer_lr(self) -> float:
-        """The outer learning rate in force (``lr``, or the method's default)."""
-        if self.lr is not None:
-            return float(self.lr)
-        return 0.7 if self.method == "diloco" else 1.0
-
-    @property
-    def outer_momentum(self) -> float:
-        """The outer momentum in force (0 without momentum)."""
-        if self.method != "diloco":
-            return 0.0
-        return 0.9 if self.momentum is None else float(self.momentum)
-
-    @classmethod
-    def from_mapping(cls, where: str, d: Any) -> OuterConfig:
-        """From a dict (the JSON section); unknown keys and bad values raise ``ValueError``
-        naming ``where.key`` and the value."""
-        if not isinstance(d, Mapping):
-            raise fail(where, "outer", d, "a JSON object (dict) or null")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys in 'outer': {unknown}; its keys are {sorted(fields)}")
-        try:
-            return cls(**d)
-        except ValueError as e:
-            raise ValueError(str(e).replace("OuterConfig: ", f"{where}: outer.", 1)) from None
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
