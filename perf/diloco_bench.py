@@ -50,7 +50,7 @@ LR = 1e-3
 
 def _outer(args) -> dict:
     return {"method": "diloco", "sync_every": args.sync_every, "fragments": args.fragments, "delay": args.delay,
-            "compression": args.outer_compression}
+            "compression": args.outer_compression, "lr": args.outer_lr}
 
 
 def _build(name, model, t, args):
@@ -254,6 +254,7 @@ def parser():
     p.add_argument("--fragments", type=int, default=4, help="zpp.outer.fragments")
     p.add_argument("--delay", type=int, default=1, help="zpp.outer.delay (tau)")
     p.add_argument("--outer-compression", default="int4", help="zpp.outer.compression")
+    p.add_argument("--outer-lr", type=float, default=None, help="zpp.outer.lr (default: the method's, 0.7 for diloco)")
     p.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                    help="only plot these earlier runs side by side into --png")
     return p
