@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "perf"))
+
+import runinfo  # noqa: E402
 
 from tests.launched import launch  # noqa: E402
 
@@ -72,6 +75,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the summary here")
     args = p.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M")
+    info = runinfo.provenance()  # of the tree that ran the command (not --zpp-root's)
     rows = []
     for kind in args.launchers.split(","):
         for scenario in args.scenarios.split(","):
@@ -83,7 +87,7 @@ def main() -> int:
             for ex in row["examples"]:
                 print(ex, file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"started": started, "zpp_root": args.zpp_root or str(ROOT),
+        Path(args.json).write_text(json.dumps({**info, "started": started, "zpp_root": args.zpp_root or str(ROOT),
                                                "rows": rows}, indent=1))
     return 1 if any(r["nonzero_exit"] or r["terminate_called"] or r["missing_results"] for r in rows) else 0
 
