@@ -148,9 +148,10 @@ def summarize(rows: list[dict], window: int) -> None:
     """Add to every row the target (DDP's windowed loss at its last step, same seed), its time
     to reach it (None: never), the final windowed loss over DDP's, DDP's time over its own."""
     ddp = {r["seed"]: r for r in rows if r["variant"] == "ddp"}
+    for r in rows:  # first every final loss: DDP's row may come after the others
+        r["final_loss"] = windowed(r["loss_curve"], window)[-1]
     for r in rows:
         smooth = windowed(r["loss_curve"], window)
-        r["final_loss"] = smooth[-1]
         ref = ddp.get(r["seed"])
         if ref is None:
             continue
