@@ -92,6 +92,11 @@ def lose_peer(t: Any, mode: str, timeout_s: float, call: Callable[[], Any]) -> t
         if mode == "hang":
             time.sleep(timeout_s + 3)
         return None
+    return timed_call(call)
+
+
+def timed_call(call: Callable[[], Any]) -> tuple[str, float, str]:
+    """Run ``call()``: (its exception's type name or "no error", the seconds it took, the message)."""
     start = time.monotonic()
     try:
         call()

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import time
 import zlib
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 from torch import nn
 
 import zpp.zero as zz
-from tests.dist import BACKENDS, run_world
+from tests.dist import BACKENDS, run_world, timed_call
 from zpp.zero.checkpoint import files, save
 
 W = 3
@@ -75,16 +74,6 @@ def _train(engine, rank, steps):
         engine.step()
         losses.append(loss.item())
     return losses
-
-
-def _timed(call):
-    """(exception type name or "no error", seconds, message)."""
-    start = time.monotonic()
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the type is the result
-        return type(e).__name__, time.monotonic() - start, str(e)
-    return "no error", time.monotonic() - start, ""
 
 
 def _fingerprint(engine) -> int:
@@ -133,7 +122,7 @@ def _crash_save(t, root, mode, phase, victim):
             if at == phase:
                 os.kill(os.getpid(), signal.SIGKILL)
         save.crash_point = die
-    return _timed(lambda: engine.save_checkpoint(root, tag=tag))
+    return timed_call(lambda: engine.save_checkpoint(root, tag=tag))
 
 
 def _resume_after_crash(t, roots):
@@ -213,7 +202,7 @@ def _disk_full(t, root):
     real_init = files.ChecksumWriter.__init__
     if t.rank == 1:  # the disk fills up after 1000 bytes of this rank's shard
         files.ChecksumWriter.__init__ = lambda self, f: real_init(self, _FullDisk(f, 1000))
-    out = {"failed": _timed(lambda: engine.save_checkpoint(root))}
+    out = {"failed": timed_call(lambda: engine.save_checkpoint(root))}
     files.ChecksumWriter.__init__ = real_init
     t.barrier()  # rank 0 removes the staging directory after the ranks agreed
     out["after_failure"] = (sorted(p.name for p in root.iterdir()), (root / "latest").read_text())
@@ -334,7 +323,7 @@ def _load_damaged(t, roots, reference):
         engine = _engine(t, seed=99)
         _train(engine, t.rank, range(1))  # some optimizer state a half-load would change
         before = _fingerprint(engine)
-        err = _timed(lambda: engine.load_checkpoint(root))  # noqa: B023 - called at once
+        err = timed_call(lambda: engine.load_checkpoint(root))  # noqa: B023 - called at once
         untouched = _fingerprint(engine) == before
         path, client = engine.load_checkpoint(root, tag="global_step3")
         exact = _train(engine, t.rank, range(3, 6)) == reference[t.rank][3:6]

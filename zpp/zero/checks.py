@@ -16,13 +16,14 @@ the config; zpp refuses it with a message saying so.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
     "check_bool", "check_choice", "check_int", "check_mapping", "check_number", "check_pair", "check_str",
-    "check_str_tuple", "fail",
+    "check_str_tuple", "fail", "from_section",
 ]
 
 
@@ -108,6 +109,20 @@ def check_mapping(where: str, name: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise fail(where, name, value, "a JSON object (dict)")
     return value
+
+
+def from_section(cls: type, where: str, section: str, d: Mapping[str, Any]) -> Any:
+    """``cls(**d)`` for the config section ``section`` (a validated dataclass): unknown keys
+    raise ``ValueError`` listing them with the section's keys, and the class's own errors are
+    raised again naming the key as the user wrote it (``where: section.key``)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys in {section!r}: {unknown}; its keys are {sorted(fields)}")
+    try:
+        return cls(**d)
+    except ValueError as e:
+        raise ValueError(str(e).replace(f"{cls.__name__}: ", f"{where}: {section}.", 1)) from None
 
 
 def _range(lo, hi, lo_open=False, hi_open=False) -> str:

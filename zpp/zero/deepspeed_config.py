@@ -15,9 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zpp.utils.logging import log_dist_once
-from zpp.zero.checks import (
-    check_mapping,
-)
+from zpp.zero.checks import check_mapping, from_section
 from zpp.zero.config import (
     OPTIMIZER_PARAM_CHECKS, OPTIMIZER_PARAMS, SCHEDULER_PARAM_CHECKS, SCHEDULERS,
     ActivationCheckpointingConfig, Fp16Config, OffloadConfig, OptimizerConfig, SchedulerConfig, TrainConfig,
@@ -300,11 +298,4 @@ def _scheduler(sch: Mapping[str, Any]) -> SchedulerConfig:
 
 
 def _zpp(sec: Mapping[str, Any]) -> ZppConfig:
-    fields = {f.name for f in dataclasses.fields(ZppConfig)}
-    unknown = sorted(set(sec) - fields)
-    if unknown:
-        raise ValueError(f"{WHERE}: unknown keys in 'zpp': {unknown}; zpp's keys are {sorted(fields)}")
-    try:
-        return ZppConfig(**sec)
-    except ValueError as e:  # name the key as the user wrote it
-        raise ValueError(str(e).replace("ZppConfig: ", f"{WHERE}: zpp.", 1)) from None
+    return from_section(ZppConfig, WHERE, "zpp", sec)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from zpp.zero.checks import check_bool, check_choice, check_int, check_number, fail
+from zpp.zero.checks import check_bool, check_choice, check_int, check_number, fail, from_section
 
 __all__ = ["OUTER_COMPRESSIONS", "OUTER_METHODS", "OuterConfig"]
 
@@ -100,11 +100,4 @@ class OuterConfig:
         naming ``where.key`` and the value."""
         if not isinstance(d, Mapping):
             raise fail(where, "outer", d, "a JSON object (dict) or null")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys in 'outer': {unknown}; its keys are {sorted(fields)}")
-        try:
-            return cls(**d)
-        except ValueError as e:
-            raise ValueError(str(e).replace("OuterConfig: ", f"{where}: outer.", 1)) from None
+        return from_section(cls, where, "outer", d)
