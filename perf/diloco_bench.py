@@ -17,11 +17,14 @@ the slowest rank's time. A variant reaches the target when its loss, averaged ov
 
 Rank 0 prints one line per variant and seed:
 
-    variant  seed  step_s  inter_B/step  final_loss  final/ddp  time_to_target_s  ddp/this
+    variant  seed  step_s  inter_B/step  eth_tx_B/step  final_loss  final/ddp  time_to_target_s  ddp/this
 
 * ``inter_B/step``: bytes per rank per step sent to other nodes, from zpp's wire counters
   (DDP: the counters' model of one fp32 all-reduce, marked "(model)"); the hierarchical
   mode's are its outer all-reduces spread over the steps.
+* ``eth_tx_B/step``: bytes that left each node's link per step, by the kernel's counters, over
+  the same span as the time curve (the busiest node; "-" outside ``zpp cluster``). A sync
+  still in flight after the last step is not in it.
 * ``final/ddp``: the windowed loss after the last step over DDP's (equal tokens).
 * ``ddp/this``: DDP's time to the target over this variant's (> 1: sooner than DDP).
 
@@ -102,6 +105,7 @@ def _run(t, name, seed, args, data) -> dict:
     losses, times = [], []
     t.counters.reset()
     t.barrier()
+    eth0 = trainlib.eth_counters()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         x, y = data.batch(args.batch, args.block, g)
@@ -110,14 +114,16 @@ def _run(t, name, seed, args, data) -> dict:
         opt_step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+    eth1 = trainlib.eth_counters()  # the link's bytes over the same span as the time curve
     snap = t.counters.snapshot()  # before the gathers below
     t.barrier()
+    eth = trainlib.node_eth_per_step(t, eth0, eth1, args.steps)
     mine = torch.tensor([losses, times], dtype=torch.float64)
     every = torch.empty(t.world_size * mine.numel(), dtype=torch.float64)
     t.all_gather(every, mine.reshape(-1))
     every = every.view(t.world_size, 2, args.steps)
     row = {"variant": name, "seed": seed, "params": psi, "steps": args.steps,
-           "loss_curve": every[:, 0].mean(0).tolist(), "time_curve": every[:, 1].amax(0).tolist()}
+           "loss_curve": every[:, 0].mean(0).tolist(), "time_curve": every[:, 1].amax(0).tolist(), **eth}
     row["step_s"] = row["time_curve"][-1] / args.steps
     if engine is not None:
         row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
@@ -146,7 +152,8 @@ def windowed(curve: list[float], window: int) -> list[float]:
 
 def summarize(rows: list[dict], window: int) -> None:
     """Add to every row the target (DDP's windowed loss at its last step, same seed), its time
-    to reach it (None: never), the final windowed loss over DDP's, DDP's time over its own."""
+    to reach it (None: never), the final windowed loss over DDP's, DDP's time over its own and,
+    inside ``zpp cluster``, its link bytes per step over DDP's (the busiest node's each)."""
     ddp = {r["seed"]: r for r in rows if r["variant"] == "ddp"}
     for r in rows:  # first every final loss: DDP's row may come after the others
         r["final_loss"] = windowed(r["loss_curve"], window)[-1]
@@ -161,6 +168,8 @@ def summarize(rows: list[dict], window: int) -> None:
         r["time_to_target_s"] = None if hit is None else r["time_curve"][hit]
         r["steps_to_target"] = None if hit is None else hit + 1
         r["final_over_ddp"] = r["final_loss"] / ref["final_loss"]
+        if r.get("eth_tx_bytes_per_node") and ref.get("eth_tx_bytes_per_node"):  # the busiest node's link
+            r["eth_over_ddp"] = max(r["eth_tx_bytes_per_node"]) / max(ref["eth_tx_bytes_per_node"])
     for r in rows:
         ref = ddp.get(r["seed"])
         if ref is not None and ref.get("time_to_target_s") and r.get("time_to_target_s"):
@@ -168,8 +177,8 @@ def summarize(rows: list[dict], window: int) -> None:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'variant':<14}{'seed':>5}{'step_s':>9}{'inter_B/step':>14}{'final_loss':>11}{'final/ddp':>10}"
-          f"{'time_to_target_s':>17}{'ddp/this':>9}")
+    print(f"{'variant':<14}{'seed':>5}{'step_s':>9}{'inter_B/step':>14}{'eth_tx_B/step':>14}{'final_loss':>11}"
+          f"{'final/ddp':>10}{'time_to_target_s':>17}{'ddp/this':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<14}{r.get('seed', '-'):>5} failed: {r['error']}")
@@ -179,7 +188,9 @@ def print_rows(rows: list[dict]) -> None:
             v = r.get(k)
             return "-" if v is None else format(v, fmt)
         mark = "" if r["bytes_source"] == "counters" else " (model)"
-        print(f"{r['variant']:<14}{r['seed']:>5}{r['step_s']:>9.3f}{r['inter_bytes']:>14.0f}{r['final_loss']:>11.4f}"
+        eth = max(r["eth_tx_bytes_per_node"]) if r.get("eth_tx_bytes_per_node") else None
+        print(f"{r['variant']:<14}{r['seed']:>5}{r['step_s']:>9.3f}{r['inter_bytes']:>14.0f}"
+              f"{'-' if eth is None else format(eth, '.0f'):>14}{r['final_loss']:>11.4f}"
               f"{f('final_over_ddp', '.4f'):>10}{f('time_to_target_s', '.1f'):>17}{f('ddp_over_this', '.2f'):>9}{mark}")
 
 

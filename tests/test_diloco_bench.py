@@ -36,19 +36,24 @@ def test_windowed(bench):
     assert bench.windowed([1.0, 2.0, 3.0], 5) == [1.0, 1.5, 2.0]
 
 
-def test_summarize_time_to_target(bench):
+def test_summarize_time_to_target(bench, capsys):
     ddp = _row("ddp", 0, [5.0, 4.0, 3.0, 2.0], 1.0)          # target: mean(3, 2) = 2.5, reached at step 4
     fast = _row("diloco", 0, [5.0, 3.0, 2.0, 1.0], 0.1)       # windowed 5, 4, 2.5, 1.5: step 3, 0.3 s
     never = _row("onebitadam", 0, [5.0, 5.0, 5.0, 5.0], 0.5)
     other_seed = _row("ddp", 1, [9.0, 9.0], 1.0)
+    ddp["eth_tx_bytes_per_node"], fast["eth_tx_bytes_per_node"] = [900.0, 1000.0], [20.0, 10.0]
     rows = [fast, never, ddp, other_seed]  # DDP after the others, as a --variants order may put it
     bench.summarize(rows, window=2)
+    assert fast["eth_over_ddp"] == pytest.approx(20.0 / 1000.0) and "eth_over_ddp" not in never
     assert ddp["target_loss"] == 2.5 and ddp["time_to_target_s"] == 4.0 and ddp["steps_to_target"] == 4
     assert fast["steps_to_target"] == 3 and fast["time_to_target_s"] == pytest.approx(0.3)
     assert fast["ddp_over_this"] == pytest.approx(4.0 / 0.3) and fast["final_over_ddp"] == pytest.approx(1.5 / 2.5)
     assert never["time_to_target_s"] is None and "ddp_over_this" not in never
     assert other_seed["target_loss"] == 9.0  # its own seed's DDP
     bench.print_rows(rows)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:5] == ["diloco", "0", "0.100", "1", "20"]  # eth: the busiest node
+    assert out[2].split()[4] == "-"  # no link counters outside zpp cluster
 
 
 def test_plot_side_by_side(bench, tmp_path):
