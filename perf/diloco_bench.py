@@ -52,8 +52,9 @@ LR = 1e-3
 
 
 def _outer(args) -> dict:
-    return {"method": "diloco", "sync_every": args.sync_every, "fragments": args.fragments, "delay": args.delay,
-            "compression": args.outer_compression, "lr": args.outer_lr}
+    return {"method": args.outer_method, "sync_every": args.sync_every, "fragments": args.fragments,
+            "delay": args.delay, "compression": args.outer_compression, "lr": args.outer_lr,
+            "momentum": args.outer_momentum}
 
 
 def _build(name, model, t, args):
@@ -266,7 +267,10 @@ def parser():
     p.add_argument("--fragments", type=int, default=4, help="zpp.outer.fragments")
     p.add_argument("--delay", type=int, default=1, help="zpp.outer.delay (tau)")
     p.add_argument("--outer-compression", default="int4", help="zpp.outer.compression")
+    p.add_argument("--outer-method", default="diloco", choices=("diloco", "sgd", "average"), help="zpp.outer.method")
     p.add_argument("--outer-lr", type=float, default=None, help="zpp.outer.lr (default: the method's, 0.7 for diloco)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="zpp.outer.momentum (default: the method's, 0.9 for diloco)")
     p.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                    help="only plot these earlier runs side by side into --png")
     return p
