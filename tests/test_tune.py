@@ -421,10 +421,13 @@ def _check_ranges(body: list[list[str]], ops) -> None:
 def test_tune_command_end_to_end(tmp_path):
     out = tmp_path / "plan.json"
     cmd = [sys.executable, "-m", "zpp", "tune", "--nprocs", "2", "--ranks-per-node", "1", "--sizes", "4K:16K",
-           "--iters", "2", "--warmup", "1", "--backends", "torch", "--out", str(out)]
+           "--iters", "2", "--warmup", "1", "--backends", "torch", "--out", str(out),
+           "--outer-params", "1M", "--outer-step-s", "0.05", "--outer-fragments", "2"]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
     assert res.returncode == 0, res.stderr
-    body = _parse_table(res.stdout)
+    table, sep, advice = res.stdout.partition("# zpp.outer for 1,000,000 parameters")
+    assert sep, res.stdout
+    body = _parse_table(table)
     ops = ("all_gather", "reduce_scatter", "all_reduce")
     assert [cells[0] for cells in body] == sorted((c[0] for c in body), key=ops.index)
     assert {cells[0] for cells in body} == set(ops)
@@ -440,6 +443,15 @@ def test_tune_command_end_to_end(tmp_path):
     assert plan.backend() == "torch" and f"wrote {out}" in res.stderr
     # the measured rows went to stderr, in zpp bench's format
     assert "# Out of bounds values : 0 OK" in res.stderr
+    # the zpp.outer advice: one row per compression from the measured all_reduce (2 MB fragments,
+    # far beyond the 16K measured: extrapolated), the chosen config, also in the plan's meta
+    rows = [line.split() for line in advice.splitlines() if line.startswith("  ")]
+    assert [r[0] for r in rows] == ["none", "int8", "int4"] and all(r[2].endswith("*") for r in rows), advice
+    outer = plan.meta["outer"]
+    assert outer["params"] == 1_000_000 and outer["fragments"] == 2 and outer["step_s"] == 0.05
+    assert advice.splitlines()[-1] == '# config: "zpp": {"outer": ' + json.dumps(outer["config"]) + "}"
+    from zpp.zero.outer_config import OuterConfig
+    OuterConfig(**outer["config"])  # a config the engine takes
 
 
 @needs_mpi[0]
@@ -463,6 +475,10 @@ def test_tune_inside_a_launched_world_tunes_its_backend_only(tmp_path):
     (["--ops", "all_to_all"], ["--ops", "'all_to_all'"]),
     (["--backends", "nccl"], ["--backends", "'nccl'"]),
     (["--sizes", "1M:4K"], ["--sizes", "'1M:4K'"]),
+    (["--outer-params", "lots", "--outer-step-s", "1"], ["--outer-params", "'lots'"]),
+    (["--outer-params", "25M"], ["--outer-params", "--outer-step-s"]),
+    (["--ops", "all_gather", "--outer-params", "25M", "--outer-step-s", "1"], ["--outer-params", "all_gather"]),
+    (["--outer-params", "25M", "--outer-step-s", "0"], ["--outer-step-s", "'0'"]),
 ])
 def test_bad_arguments_exit_2_naming_the_value(args, names, capsys):
     from zpp.cli import main
@@ -473,3 +489,75 @@ def test_bad_arguments_exit_2_naming_the_value(args, names, capsys):
     err = capsys.readouterr().err
     for name in names:
         assert name in err, (name, err)
+
+
+# ---------------------------------------------------------------------------- zpp.outer advice
+def test_sync_seconds_interpolates_and_extrapolates():
+    from zpp.tune.outer import sync_seconds
+
+    pts = [(1 * K, 100.0), (4 * K, 400.0), (16 * K, 1000.0)]
+    assert sync_seconds(pts, 512) == (pytest.approx(100e-6), False)        # below: the smallest's time
+    assert sync_seconds(pts, 2 * K) == (pytest.approx(200e-6), False)      # linear between 1K and 4K
+    assert sync_seconds(pts, 16 * K) == (pytest.approx(1000e-6), False)
+    # beyond: the last two sizes' time per byte (600 us per 12K) carries on
+    assert sync_seconds(pts, 40 * K) == (pytest.approx((1000 + 600 * 24 / 12) * 1e-6), True)
+    assert sync_seconds([(8 * K, 80.0)], 16 * K) == (pytest.approx(160e-6), True)  # one size: proportional
+    assert sync_seconds([(1 * K, 90.0), (2 * K, 80.0)], 4 * K) == (pytest.approx(80e-6), True)  # no negative slope
+    with pytest.raises(ValueError, match="no measured points"):
+        sync_seconds([], 1)
+
+
+def _link_rows(backend, mbit):
+    """all_reduce rows of a link of ``mbit`` Mbit/s per node: 2 (N-1)/N = 1 times the bytes
+    on the wire at 2 nodes, scaled by each compression's bytes per element, + 1 ms."""
+    per_byte = {"none": 1.0, "int8": 0.25 * 1.002, "int4": 0.125 * 1.004, "1bit": 1 / 32 * 1.01}
+    return [row(backend, "all_reduce", c, s, 1000.0 + s * f * 8 / mbit, err=0.01)
+            for c, f in per_byte.items() for s in (1 << 20, 4 << 20)]
+
+
+def test_outer_advice_picks_the_least_compression_the_link_allows():
+    from zpp.tune.outer import advise, format_advice
+
+    # 25M parameters, 4 fragments: 25 MB per fragment; at 100 Mbit fp32 takes ~2 s, int4 ~0.25 s
+    a = advise(_link_rows("torch", 100), params=25_000_000, step_s=1.0, fragments=4)
+    by = {o.compression: o for o in a.options}
+    assert set(by) == {"none", "int8", "int4"}  # 1bit only when allowed
+    t = by["none"].sync_s
+    assert t == pytest.approx((1000 + 25_000_000 * 8 / 100) * 1e-6, rel=1e-6) and by["none"].extrapolated
+    assert (by["none"].delay, by["none"].sync_every) == (3, 9)            # ceil(2.0), ceil(4 x 2.0)
+    assert by["none"].link_busy == pytest.approx(4 * t / 9)
+    assert a.chosen is by["none"] and not a.link_bound                   # H = 9 <= 100: no compression needed
+    assert a.config() == {"method": "diloco", "sync_every": 9, "fragments": 4, "delay": 3, "compression": "none"}
+    # at 1 Mbit fp32 needs H = 801 and int8 201: with H up to 150 only int4 (101) fits
+    slow = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4, max_sync_every=150)
+    assert [o.sync_every for o in slow.options] == [801, 201, 101]
+    assert slow.chosen.compression == "int4" and not slow.link_bound
+    # nothing fits: the smallest H, said to be link-bound
+    tight = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4, max_sync_every=50)
+    assert tight.link_bound and tight.chosen.compression == "int4"
+    assert "link-bound" in format_advice(tight) and '"compression": "int4"' in format_advice(tight)
+    with1bit = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4, max_sync_every=50,
+                      allow_1bit=True)
+    assert with1bit.chosen.compression == "1bit" and not with1bit.link_bound  # H = 27
+    # the faster backend at that size is taken, per compression
+    mixed = advise(_link_rows("torch", 100) + _link_rows("mpi", 200), params=25_000_000, step_s=1.0)
+    assert {o.backend for o in mixed.options} == {"mpi"}
+    text = format_advice(a)
+    assert text.splitlines()[-1] == '# config: "zpp": {"outer": ' + json.dumps(a.config()) + "}"
+    assert "<- chosen" in text
+
+
+def test_outer_advice_refuses_bad_input_naming_it():
+    from zpp.tune.outer import advise
+
+    rows = _link_rows("torch", 100)
+    for kw, name in (({"params": 0}, "params=0"), ({"fragments": 1.5}, "fragments=1.5"),
+                     ({"step_s": 0.0}, "step_s=0.0"), ({"max_sync_every": 1}, "max_sync_every=1")):
+        args = {"params": 1000, "step_s": 1.0, **kw}
+        with pytest.raises(ValueError, match=re.escape(name)):
+            advise(rows, **args)
+    with pytest.raises(ValueError, match="no all_reduce row"):
+        advise([row("torch", "all_gather", "none", K, 1.0)], params=1000, step_s=1.0)
+    wrong = [{**r, "wrong": 3} for r in rows]
+    with pytest.raises(ValueError, match="no all_reduce row"):
+        advise(wrong, params=1000, step_s=1.0)

@@ -6,6 +6,7 @@ stays within ``--max-error``.
     zpp tune --backends torch --sizes 64K:4M --max-error 0.005 --out plan.json
     zpp tune --cluster --ranks-per-node 2        # each backend through `zpp cluster run`
     mpiexec -n 8 zpp tune                        # inside a launched world: its backend only
+    zpp tune --cluster --ops all_reduce --outer-params 25M --outer-step-s 3   # + zpp.outer settings
     ZPP_TUNE_FILE=zpp_tune.json python train.py  # use it: get_transport(), zpp.comm.tuned
 
 The sweep is ``zpp bench``'s (all_gather, reduce_scatter and all_reduce: none, int8, int4;
@@ -13,7 +14,9 @@ all_reduce also 1bit with --allow-1bit). Alone, torch ranks are spawned in-proce
 sweep runs ``python -m zpp bench --backend mpi`` (which starts mpiexec); with --cluster
 each backend's sweep runs on the live emulated cluster. The measured rows go to stderr,
 the decision table to stdout, the plan to --out (see zpp/comm/plan.py for the format and
-zpp/tune/planner.py for how it is chosen). 1bit is excluded unless --allow-1bit: one call's
+zpp/tune/planner.py for how it is chosen). With --outer-params and --outer-step-s the
+hierarchical mode's settings follow from the measured all_reduce (zpp/tune/outer.py); they
+are printed after the table and kept in the plan's meta. 1bit is excluded unless --allow-1bit: one call's
 error means little for an error-feedback method, whose residual is repaid over later steps.
 
 Exit status: 0, 1 when a sweep failed (no plan is written), 2 for bad arguments, 124 when
@@ -25,6 +28,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -87,6 +91,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="elements per int8/int4 quantization group (default: 2048)")
     p.add_argument("--timeout", type=seconds, default=600.0,
                    help="hard limit in seconds for each backend's sweep (default: 600)")
+    o = p.add_argument_group("the hierarchical mode (zpp.outer): its settings from the measured all_reduce")
+    o.add_argument("--outer-params", type=_param_count, default=None, metavar="N",
+                   help="trainable parameters of the model (25M, 1.3B or a plain integer); with "
+                        "--outer-step-s prints the zpp.outer settings this link allows and puts them in "
+                        "the plan's meta")
+    o.add_argument("--outer-step-s", type=seconds, default=None, metavar="S",
+                   help="seconds of one inner training step, measured without the outer sync")
+    o.add_argument("--outer-fragments", type=integer(1), default=4, help="zpp.outer.fragments (default: 4)")
+    o.add_argument("--outer-max-sync-every", type=integer(2), default=100,
+                   help="the largest sync_every (H) to accept before calling the link the limit "
+                        "(default: 100)")
+
+
+def _param_count(text: str) -> int:
+    """``25M`` -> 25_000_000 (K, M, B or G: powers of 1000, as parameter counts are quoted)."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        value = 0.0
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a parameter count such as 25M, 1.3B or 1000000")
+    return int(value)
 
 
 def _note(text: str) -> None:
@@ -100,6 +127,11 @@ def _mpi_available() -> bool:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     parser: argparse.ArgumentParser = args.parser
     where = _launch.detect_for(parser)
+    if (args.outer_params is None) != (args.outer_step_s is None):
+        parser.error("--outer-params and --outer-step-s go together (the model's size and its inner step time)")
+    if args.outer_params is not None and "all_reduce" not in args.ops:
+        parser.error(f"--outer-params needs all_reduce among --ops (got {','.join(args.ops)}): the outer sync "
+                     "is an all-reduce")
     compress = ("none", "int8", "int4") + (("1bit",) if args.allow_1bit else ())
     try:
         cfg = BenchConfig(ops=args.ops, compress=compress, dtype=args.dtype, sizes=args.sizes,
@@ -328,11 +360,22 @@ def _finish(args, rows: list[dict], metas: dict[str, dict], backends: list[str],
         "transports": {b: m.get("transport") for b, m in metas.items()},
         "quant_kernels": first.get("quant_kernels"),
     }
+    advice = None
+    if args.outer_params is not None:
+        from zpp.tune.outer import advise
+
+        advice = advise(rows, params=args.outer_params, step_s=args.outer_step_s, fragments=args.outer_fragments,
+                        max_sync_every=args.outer_max_sync_every, allow_1bit=args.allow_1bit)
+        meta["outer"] = advice.to_dict()
     plan = build_plan(rows, world_size=size, ranks_per_node=rpn, max_error=args.max_error,
                       allow_1bit=args.allow_1bit, backends=backends, dtype=args.dtype,
                       group_size=args.group_size, meta=meta)
     plan.save(args.out)
     sys.stdout.write(format_table(plan))
+    if advice is not None:
+        from zpp.tune.outer import format_advice
+
+        sys.stdout.write(format_advice(advice))
     sys.stdout.flush()
     _note(f"wrote {args.out}; use it with ZPP_TUNE_FILE={args.out}")
     return 0

@@ -1,0 +1,153 @@
+"""The hierarchical mode's settings from measured all-reduces (``zpp tune --outer-params``):
+pure functions, no ranks.
+
+[Note: choosing zpp.outer]
+A sync of one fragment moves ``4 Psi / F`` fp32 bytes of pseudo-gradient across the nodes
+(``Psi`` trainable elements, ``F`` fragments): each node's ranks all-reduce their shards of it
+over the other nodes, which puts on each node link what one world all-reduce of that many
+bytes puts there in two hops (reduce inside the node, exchange across, gather inside;
+zpp/zero/outer/reduce.py). So ``zpp bench``'s all_reduce row at that size, per compression,
+is the sync's time ``t`` (beyond the largest measured size, the last two sizes' time per byte
+carries on linearly: large messages are bandwidth-bound; below the smallest, the smallest
+size's time). With inner steps of ``s`` seconds:
+
+* ``delay`` (tau) = ``ceil(t / s)``: the inner steps during which the sync runs in the
+  background; with fewer, the step that applies it waits;
+* ``sync_every`` (H) >= ``max(ceil(F t / s), tau + 1)``: the link must carry the F fragments'
+  syncs of one period within the period's compute, and tau < H (the config's rule);
+* link busy = ``F t / (H s)`` at that H.
+
+The advice is the least compressed variant (none, int8, int4, then 1bit only when allowed)
+whose smallest H is at most ``max_sync_every``; when none fits, the variant with the
+smallest H, said to be link-bound. The quality cost of a larger H or more compression is
+a training question this cannot measure: the advice keeps both as small as the link allows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["OuterAdvice", "OuterOption", "advise", "format_advice", "sync_seconds"]
+
+_ORDER = ("none", "int8", "int4", "1bit")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OuterOption:
+    """One compression's numbers (see [Note: choosing zpp.outer])."""
+
+    compression: str
+    backend: str
+    sync_s: float
+    """Seconds of one fragment's sync."""
+    delay: int
+    sync_every: int
+    """The smallest H the link allows."""
+    link_busy: float
+    """Fraction of the period the link carries syncs at that H."""
+    extrapolated: bool
+    """The fragment is larger than the largest measured size."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OuterAdvice:
+    params: int
+    step_s: float
+    fragments: int
+    max_sync_every: int
+    options: tuple[OuterOption, ...]
+    chosen: OuterOption
+    link_bound: bool
+    """No option's H is within ``max_sync_every``."""
+
+    def config(self) -> dict[str, Any]:
+        """The ``"zpp": {"outer": ...}`` section that applies the advice."""
+        c = self.chosen
+        return {"method": "diloco", "sync_every": c.sync_every, "fragments": self.fragments, "delay": c.delay,
+                "compression": c.compression}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"params": self.params, "step_s": self.step_s, "fragments": self.fragments,
+                "max_sync_every": self.max_sync_every, "link_bound": self.link_bound,
+                "options": [dataclasses.asdict(o) for o in self.options], "config": self.config()}
+
+
+def sync_seconds(points: Sequence[tuple[int, float]], nbytes: int) -> tuple[float, bool]:
+    """Seconds for an all-reduce of ``nbytes`` logical bytes from measured ``(size, time_us)``
+    points: linear between the two measured sizes around it, the last two sizes' slope beyond
+    the largest, the smallest size's time below it. Returns ``(seconds, extrapolated)``."""
+    pts = sorted({int(s): float(t) for s, t in points}.items())
+    if not pts:
+        raise ValueError("sync_seconds: no measured points")
+    if nbytes <= pts[0][0]:
+        return pts[0][1] * 1e-6, False
+    for (a, ta), (b, tb) in zip(pts, pts[1:]):
+        if nbytes <= b:
+            return (ta + (tb - ta) * (nbytes - a) / (b - a)) * 1e-6, False
+    if len(pts) == 1:  # one size: time proportional to bytes
+        s, t = pts[0]
+        return t * nbytes / s * 1e-6, True
+    (a, ta), (b, tb) = pts[-2], pts[-1]
+    slope = max((tb - ta) / (b - a), 0.0)  # a noisy negative slope: hold the last time
+    return (tb + slope * (nbytes - b)) * 1e-6, True
+
+
+def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fragments: int = 4,
+           max_sync_every: int = 100, allow_1bit: bool = False) -> OuterAdvice:
+    """The ``zpp.outer`` settings for a model of ``params`` trainable elements whose inner
+    step takes ``step_s`` seconds, from ``zpp bench`` all_reduce rows (each with
+    ``backend``); see [Note: choosing zpp.outer]. Rows with wrong values are ignored; for each
+    compression the fastest backend at the fragment's size is taken."""
+    for name, value, lo in (("params", params, 1), ("fragments", fragments, 1), ("max_sync_every", max_sync_every, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"advise: {name}={value!r} must be an integer >= {lo}")
+    if not (isinstance(step_s, (int, float)) and math.isfinite(step_s) and step_s > 0):
+        raise ValueError(f"advise: step_s={step_s!r} must be a positive number of seconds")
+    nbytes = math.ceil(4 * params / fragments)
+    points: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in rows:
+        t = r.get("time_us")
+        if r.get("op") != "all_reduce" or r.get("wrong") or not isinstance(t, (int, float)) or not t > 0:
+            continue
+        if r.get("compress") not in _ORDER or (r["compress"] == "1bit" and not allow_1bit):
+            continue
+        points.setdefault((r["compress"], r.get("backend", "?")), []).append((int(r["size"]), float(t)))
+    options = []
+    for compression in _ORDER:
+        timed = [(sync_seconds(p, nbytes), b) for (c, b), p in points.items() if c == compression]
+        if not timed:
+            continue
+        (sync_s, extrapolated), backend = min(timed, key=lambda x: x[0][0])
+        delay = math.ceil(sync_s / step_s)
+        every = max(math.ceil(fragments * sync_s / step_s), delay + 1, 1)
+        options.append(OuterOption(compression, backend, sync_s, delay, every,
+                                   fragments * sync_s / (every * step_s), extrapolated))
+    if not options:
+        raise ValueError("advise: no all_reduce row to advise from (run the sweep with --ops including "
+                         "all_reduce)")
+    fits = [o for o in options if o.sync_every <= max_sync_every]
+    chosen = fits[0] if fits else min(options, key=lambda o: o.sync_every)
+    return OuterAdvice(params, float(step_s), fragments, max_sync_every, tuple(options), chosen, not fits)
+
+
+def format_advice(a: OuterAdvice) -> str:
+    """The advice for people: ``#`` lines, one row per compression, the config to use."""
+    lines = [
+        f"# zpp.outer for {a.params:,} parameters, {a.step_s:g} s inner steps, {a.fragments} fragment(s) of "
+        f"{4 * a.params / a.fragments / 2**20:.3g} MiB fp32 (sync time: the all_reduce at that size; "
+        "* = beyond the largest measured size)",
+        f"# {'compression':<12}{'backend':<8}{'sync_s':>10}{'delay':>7}{'min H':>7}{'link busy':>11}",
+    ]
+    for o in a.options:
+        mark = "*" if o.extrapolated else " "
+        pick = "  <- chosen" if o is a.chosen else ""
+        lines.append(f"  {o.compression:<12}{o.backend:<8}{o.sync_s:>9.3f}{mark}{o.delay:>7}{o.sync_every:>7}"
+                     f"{o.link_busy:>10.0%}{pick}")
+    if a.link_bound:
+        lines.append(f"# link-bound: no compression syncs within H <= {a.max_sync_every}; the chosen one "
+                     f"needs H = {a.chosen.sync_every}")
+    lines.append('# config: "zpp": {"outer": ' + json.dumps(a.config()) + "}")
+    return "\n".join(lines) + "\n"
