@@ -14,6 +14,8 @@ initialisation and data). Each rank records its training loss and its elapsed ti
 step (from a common barrier); the curve is, per step, the loss averaged over the ranks against
 the slowest rank's time. A variant reaches the target when its loss, averaged over the last
 ``--window`` steps, first falls to DDP's at its last step (the target is per seed).
+``--target-from`` takes DDP's rows from an earlier run instead (for instance to give the
+variants that did not reach the target more steps without running DDP again).
 
 Rank 0 prints one line per variant and seed:
 
@@ -151,6 +153,18 @@ def windowed(curve: list[float], window: int) -> list[float]:
     return out
 
 
+def with_targets_from(path: str, seeds: list[int]) -> list[dict]:
+    """DDP's rows for ``seeds`` from an earlier run's JSON, each marked with ``"from": path``
+    (ValueError naming the seeds it lacks)."""
+    with open(path) as f:
+        earlier = json.load(f)
+    refs = [{**r, "from": path} for r in earlier["rows"] if r.get("variant") == "ddp" and r.get("seed") in seeds]
+    missing = sorted(set(seeds) - {r["seed"] for r in refs})
+    if missing:
+        raise ValueError(f"--target-from {path}: no DDP row for seed(s) {missing}")
+    return refs
+
+
 def summarize(rows: list[dict], window: int) -> None:
     """Add to every row the target (DDP's windowed loss at its last step, same seed), its time
     to reach it (None: never), the final windowed loss over DDP's, DDP's time over its own and,
@@ -239,6 +253,8 @@ def _rank_main(t, args):
             rows.append(_run(t, name, seed, args, data))
     if t.rank != 0:
         return
+    if args.target_from:
+        rows = with_targets_from(args.target_from, args.seeds) + rows
     summarize(rows, args.window)
     print(f"# diloco_bench: world={t.world_size} label={args.label or 'unshaped'} steps={args.steps} GPT "
           f"n_layer={args.n_layer} n_embd={args.n_embd} block={args.block} batch={args.batch} "
@@ -271,6 +287,9 @@ def parser():
     p.add_argument("--outer-lr", type=float, default=None, help="zpp.outer.lr (default: the method's, 0.7 for diloco)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="zpp.outer.momentum (default: the method's, 0.9 for diloco)")
+    p.add_argument("--target-from", default=None, metavar="JSON",
+                   help="take DDP's rows (the targets) from this earlier run of the same seeds and link, "
+                        "to run other variants for longer without DDP")
     p.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                    help="only plot these earlier runs side by side into --png")
     return p
@@ -289,6 +308,8 @@ def main(argv=None):
         plot(runs, args.png)
         return
     trainlib.parse_variants(p, args, VARIANTS)
+    if args.target_from and "ddp" in args.variants:
+        p.error("--target-from takes DDP's rows from that file: leave ddp out of --variants")
     if args.model != "gpt":
         p.error(f"--model={args.model!r}: this benchmark trains tests/gpt.py's GPT only")
     try:

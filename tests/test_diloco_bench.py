@@ -67,3 +67,21 @@ def test_plot_side_by_side(bench, tmp_path):
     png = tmp_path / "both.png"
     bench.main(["--plot", *runs, "--png", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_targets_from_an_earlier_run(bench, tmp_path):
+    earlier = {"rows": [_row("ddp", 0, [5.0, 4.0, 3.0, 2.0], 1.0), _row("diloco", 0, [5.0, 1.0, 1.0, 1.0], 0.1),
+                        _row("ddp", 1, [9.0, 8.0], 1.0)]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    refs = bench.with_targets_from(str(path), [0])
+    assert [(r["variant"], r["seed"], r["from"]) for r in refs] == [("ddp", 0, str(path))]
+    longer = _row("zero3-zeropp", 0, [5.0, 4.5, 4.0, 3.5, 3.0, 2.5, 2.0], 0.5)  # more steps than DDP's 4
+    rows = refs + [longer]
+    bench.summarize(rows, window=2)
+    assert longer["target_loss"] == 2.5 and longer["steps_to_target"] == 7  # windowed 2.25 at step 7
+    assert longer["ddp_over_this"] == pytest.approx(4.0 / 3.5)
+    with pytest.raises(ValueError, match=r"no DDP row for seed\(s\) \[2\]"):
+        bench.with_targets_from(str(path), [0, 2])
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "ddp,diloco", "--target-from", str(path)])
