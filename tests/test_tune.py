@@ -515,30 +515,32 @@ def _link_rows(backend, mbit):
             for c, f in per_byte.items() for s in (1 << 20, 4 << 20)]
 
 
-def test_outer_advice_picks_the_least_compression_the_link_allows():
-    from zpp.tune.outer import advise, format_advice
+def test_outer_advice_picks_the_smallest_sync_every_the_link_allows():
+    from zpp.tune.outer import HEADROOM, advise, format_advice
 
-    # 25M parameters, 4 fragments: 25 MB per fragment; at 100 Mbit fp32 takes ~2 s, int4 ~0.25 s
+    # 25M parameters, 4 fragments: 25 MB per fragment; at 100 Mbit fp32 takes 2.0 s, int4 0.25 s
     a = advise(_link_rows("torch", 100), params=25_000_000, step_s=1.0, fragments=4)
     by = {o.compression: o for o in a.options}
     assert set(by) == {"none", "int8", "int4"}  # 1bit only when allowed
     t = by["none"].sync_s
     assert t == pytest.approx((1000 + 25_000_000 * 8 / 100) * 1e-6, rel=1e-6) and by["none"].extrapolated
-    assert (by["none"].delay, by["none"].sync_every) == (3, 9)            # ceil(2.0), ceil(4 x 2.0)
-    assert by["none"].link_busy == pytest.approx(4 * t / 9)
-    assert a.chosen is by["none"] and not a.link_bound                   # H = 9 <= 100: no compression needed
-    assert a.config() == {"method": "diloco", "sync_every": 9, "fragments": 4, "delay": 3, "compression": "none"}
-    # at 1 Mbit fp32 needs H = 801 and int8 201: with H up to 150 only int4 (101) fits
-    slow = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4, max_sync_every=150)
-    assert [o.sync_every for o in slow.options] == [801, 201, 101]
-    assert slow.chosen.compression == "int4" and not slow.link_bound
-    # nothing fits: the smallest H, said to be link-bound
-    tight = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4, max_sync_every=50)
+    assert HEADROOM == 1.25
+    assert (by["none"].delay, by["none"].sync_every) == (3, 11)           # ceil(1.25 x 2.0), ceil(1.25 x 4 x 2.0)
+    assert by["none"].link_busy == pytest.approx(4 * t / 11)
+    assert [(o.delay, o.sync_every) for o in a.options] == [(3, 11), (1, 3), (1, 2)]  # H >= delay + 1
+    assert a.chosen is by["int4"] and not a.link_bound
+    assert a.config() == {"method": "diloco", "sync_every": 2, "fragments": 4, "delay": 1, "compression": "int4"}
+    # steps long enough that every variant needs only H = delay + 1 = 2: the tie goes to no compression
+    slow_steps = advise(_link_rows("torch", 100), params=25_000_000, step_s=100.0, fragments=4)
+    assert {o.sync_every for o in slow_steps.options} == {2} and slow_steps.chosen.compression == "none"
+    # at 1 Mbit: fp32 H = 1001, int8 251, int4 126: above 100, so link-bound, int4 still the best
+    tight = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4)
+    assert [o.sync_every for o in tight.options] == [1001, 251, 126]
     assert tight.link_bound and tight.chosen.compression == "int4"
     assert "link-bound" in format_advice(tight) and '"compression": "int4"' in format_advice(tight)
-    with1bit = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4, max_sync_every=50,
-                      allow_1bit=True)
-    assert with1bit.chosen.compression == "1bit" and not with1bit.link_bound  # H = 27
+    assert not advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, max_sync_every=150).link_bound
+    with1bit = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4, allow_1bit=True)
+    assert with1bit.chosen.compression == "1bit" and with1bit.chosen.sync_every == 32 and not with1bit.link_bound
     # the faster backend at that size is taken, per compression
     mixed = advise(_link_rows("torch", 100) + _link_rows("mpi", 200), params=25_000_000, step_s=1.0)
     assert {o.backend for o in mixed.options} == {"mpi"}

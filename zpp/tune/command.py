@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of one inner training step, measured without the outer sync")
     o.add_argument("--outer-fragments", type=integer(1), default=4, help="zpp.outer.fragments (default: 4)")
     o.add_argument("--outer-max-sync-every", type=integer(2), default=100,
-                   help="the largest sync_every (H) to accept before calling the link the limit "
+                   help="above this sync_every (H) the advice says the link is the limit "
                         "(default: 100)")
 
 

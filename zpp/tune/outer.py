@@ -9,18 +9,22 @@ bytes puts there in two hops (reduce inside the node, exchange across, gather in
 zpp/zero/outer/reduce.py). So ``zpp bench``'s all_reduce row at that size, per compression,
 is the sync's time ``t`` (beyond the largest measured size, the last two sizes' time per byte
 carries on linearly: large messages are bandwidth-bound; below the smallest, the smallest
-size's time). With inner steps of ``s`` seconds:
+size's time). With inner steps of ``s`` seconds and ``HEADROOM`` = 1.25 (a sync 25% slower
+than measured, or a step 20% faster, must still not stall the steps):
 
-* ``delay`` (tau) = ``ceil(t / s)``: the inner steps during which the sync runs in the
-  background; with fewer, the step that applies it waits;
-* ``sync_every`` (H) >= ``max(ceil(F t / s), tau + 1)``: the link must carry the F fragments'
-  syncs of one period within the period's compute, and tau < H (the config's rule);
-* link busy = ``F t / (H s)`` at that H.
+* ``delay`` (tau) = ``ceil(1.25 t / s)``: the inner steps during which the sync runs in the
+  background; with fewer, the step that applies it waits for the link;
+* ``sync_every`` (H) = ``max(ceil(1.25 F t / s), tau + 1)``: the link must carry the F
+  fragments' syncs of one period within the period's compute, and tau < H (the config's
+  rule);
+* link busy = ``F t / (H s)`` at that H (at most 0.8 unless tau + 1 sets H).
 
-The advice is the least compressed variant (none, int8, int4, then 1bit only when allowed)
-whose smallest H is at most ``max_sync_every``; when none fits, the variant with the
-smallest H, said to be link-bound. The quality cost of a larger H or more compression is
-a training question this cannot measure: the advice keeps both as small as the link allows.
+The advice is the variant with the smallest H (ties: less compression); 1bit only when
+allowed. Fewer inner steps between syncs is what keeps the replicas close to synchronous
+training (DiLoCo's loss rises with H), while int8 and int4 outer gradients cost no measurable
+loss (INTELLECT-1, Streaming DiLoCo; on the benchmark GPT int4 ended at 1.079 of DDP's loss
+against 1.082 in fp32, perf/BENCHMARKS.md). When even that H is above ``max_sync_every`` the
+advice says the link is the limit.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ from typing import Any
 __all__ = ["OuterAdvice", "OuterOption", "advise", "format_advice", "sync_seconds"]
 
 _ORDER = ("none", "int8", "int4", "1bit")
+HEADROOM = 1.25
+"""Margin on the measured sync time (see [Note: choosing zpp.outer])."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,7 +67,7 @@ class OuterAdvice:
     options: tuple[OuterOption, ...]
     chosen: OuterOption
     link_bound: bool
-    """No option's H is within ``max_sync_every``."""
+    """Even the chosen H is above ``max_sync_every``."""
 
     def config(self) -> dict[str, Any]:
         """The ``"zpp": {"outer": ...}`` section that applies the advice."""
@@ -121,16 +127,16 @@ def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fra
         if not timed:
             continue
         (sync_s, extrapolated), backend = min(timed, key=lambda x: x[0][0])
-        delay = math.ceil(sync_s / step_s)
-        every = max(math.ceil(fragments * sync_s / step_s), delay + 1, 1)
+        delay = math.ceil(HEADROOM * sync_s / step_s)
+        every = max(math.ceil(HEADROOM * fragments * sync_s / step_s), delay + 1)
         options.append(OuterOption(compression, backend, sync_s, delay, every,
                                    fragments * sync_s / (every * step_s), extrapolated))
     if not options:
         raise ValueError("advise: no all_reduce row to advise from (run the sweep with --ops including "
                          "all_reduce)")
-    fits = [o for o in options if o.sync_every <= max_sync_every]
-    chosen = fits[0] if fits else min(options, key=lambda o: o.sync_every)
-    return OuterAdvice(params, float(step_s), fragments, max_sync_every, tuple(options), chosen, not fits)
+    chosen = min(options, key=lambda o: (o.sync_every, _ORDER.index(o.compression)))
+    return OuterAdvice(params, float(step_s), fragments, max_sync_every, tuple(options), chosen,
+                       chosen.sync_every > max_sync_every)
 
 
 def format_advice(a: OuterAdvice) -> str:
@@ -147,7 +153,7 @@ def format_advice(a: OuterAdvice) -> str:
         lines.append(f"  {o.compression:<12}{o.backend:<8}{o.sync_s:>9.3f}{mark}{o.delay:>7}{o.sync_every:>7}"
                      f"{o.link_busy:>10.0%}{pick}")
     if a.link_bound:
-        lines.append(f"# link-bound: no compression syncs within H <= {a.max_sync_every}; the chosen one "
-                     f"needs H = {a.chosen.sync_every}")
+        lines.append(f"# link-bound: no compression syncs within H <= {a.max_sync_every}; the best needs "
+                     f"H = {a.chosen.sync_every}")
     lines.append('# config: "zpp": {"outer": ' + json.dumps(a.config()) + "}")
     return "\n".join(lines) + "\n"
