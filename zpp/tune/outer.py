@@ -9,7 +9,9 @@ bytes puts there in two hops (reduce inside the node, exchange across, gather in
 zpp/zero/outer/reduce.py). So ``zpp bench``'s all_reduce row at that size, per compression,
 is the sync's time ``t`` (beyond the largest measured size, the last two sizes' time per byte
 carries on linearly: large messages are bandwidth-bound; below the smallest, the smallest
-size's time). With inner steps of ``s`` seconds and ``HEADROOM`` = 1.25 (a sync 25% slower
+size's time). Measured on 2 nodes x 2 at 10 Mbit, that row's int4 sends about 1.5x the
+mode's bytes per rank across the nodes (394,752 against about 263 KB per 4 MiB): the advice
+errs on the safe side (perf/BENCHMARKS.md, "What limits the mode"). With inner steps of ``s`` seconds and ``HEADROOM`` = 1.25 (a sync 25% slower
 than measured, or a step 20% faster, must still not stall the steps):
 
 * ``delay`` (tau) = ``ceil(1.25 t / s)``: the inner steps during which the sync runs in the
