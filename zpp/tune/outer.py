@@ -11,8 +11,9 @@ is the sync's time ``t`` (beyond the largest measured size, the last two sizes' 
 carries on linearly: large messages are bandwidth-bound; below the smallest, the smallest
 size's time). Measured on 2 nodes x 2 at 10 Mbit, that row's int4 sends about 1.5x the
 mode's bytes per rank across the nodes (394,752 against about 263 KB per 4 MiB): the advice
-errs on the safe side (perf/BENCHMARKS.md, "What limits the mode"). With inner steps of ``s`` seconds and ``HEADROOM`` = 1.25 (a sync 25% slower
-than measured, or a step 20% faster, must still not stall the steps):
+errs on the safe side (perf/BENCHMARKS.md, "What limits the mode"). With inner steps of
+``s`` seconds and ``HEADROOM`` = 1.25 (a sync 25% slower than measured, or a step 20%
+faster, must still not stall the steps):
 
 * ``delay`` (tau) = ``ceil(1.25 t / s)``: the inner steps during which the sync runs in the
   background; with fewer, the step that applies it waits for the link;
@@ -36,9 +37,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from zpp.zero.checks import check_int, check_number
+from zpp.zero.outer_config import OUTER_COMPRESSIONS
+
 __all__ = ["OuterAdvice", "OuterOption", "advise", "format_advice", "sync_seconds"]
 
-_ORDER = ("none", "int8", "int4", "1bit")
 HEADROOM = 1.25
 """Margin on the measured sync time (see [Note: choosing zpp.outer])."""
 
@@ -109,22 +112,21 @@ def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fra
     step takes ``step_s`` seconds, from ``zpp bench`` all_reduce rows (each with
     ``backend``); see [Note: choosing zpp.outer]. Rows with wrong values are ignored; for each
     compression the fastest backend at the fragment's size is taken."""
-    for name, value, lo in (("params", params, 1), ("fragments", fragments, 1), ("max_sync_every", max_sync_every, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-            raise ValueError(f"advise: {name}={value!r} must be an integer >= {lo}")
-    if not (isinstance(step_s, (int, float)) and math.isfinite(step_s) and step_s > 0):
-        raise ValueError(f"advise: step_s={step_s!r} must be a positive number of seconds")
+    check_int("advise", "params", params, lo=1)
+    check_int("advise", "fragments", fragments, lo=1)
+    check_int("advise", "max_sync_every", max_sync_every, lo=2)
+    check_number("advise", "step_s", step_s, lo=0, lo_open=True)
     nbytes = math.ceil(4 * params / fragments)
     points: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in rows:
         t = r.get("time_us")
         if r.get("op") != "all_reduce" or r.get("wrong") or not isinstance(t, (int, float)) or not t > 0:
             continue
-        if r.get("compress") not in _ORDER or (r["compress"] == "1bit" and not allow_1bit):
+        if r.get("compress") not in OUTER_COMPRESSIONS or (r["compress"] == "1bit" and not allow_1bit):
             continue
         points.setdefault((r["compress"], r.get("backend", "?")), []).append((int(r["size"]), float(t)))
     options = []
-    for compression in _ORDER:
+    for compression in OUTER_COMPRESSIONS:  # less compression first
         timed = [(sync_seconds(p, nbytes), b) for (c, b), p in points.items() if c == compression]
         if not timed:
             continue
@@ -136,7 +138,7 @@ def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fra
     if not options:
         raise ValueError("advise: no all_reduce row to advise from (run the sweep with --ops including "
                          "all_reduce)")
-    chosen = min(options, key=lambda o: (o.sync_every, _ORDER.index(o.compression)))
+    chosen = min(options, key=lambda o: (o.sync_every, OUTER_COMPRESSIONS.index(o.compression)))
     return OuterAdvice(params, float(step_s), fragments, max_sync_every, tuple(options), chosen,
                        chosen.sync_every > max_sync_every)
 
