@@ -170,21 +170,21 @@ def summarize(rows: list[dict], window: int) -> None:
     to reach it (None: never), the final windowed loss over DDP's, DDP's time over its own and,
     inside ``zpp cluster``, its link bytes per step over DDP's (the busiest node's each)."""
     ddp = {r["seed"]: r for r in rows if r["variant"] == "ddp"}
-    for r in rows:  # first every final loss: DDP's row may come after the others
-        r["final_loss"] = windowed(r["loss_curve"], window)[-1]
-    for r in rows:
-        smooth = windowed(r["loss_curve"], window)
+    smooth = [windowed(r["loss_curve"], window) for r in rows]
+    for r, curve in zip(rows, smooth):  # first every final loss: DDP's row may come after the others
+        r["final_loss"] = curve[-1]
+    for r, curve in zip(rows, smooth):
         ref = ddp.get(r["seed"])
         if ref is None:
             continue
-        target = windowed(ref["loss_curve"], window)[-1]
-        hit = next((i for i, v in enumerate(smooth) if v <= target), None)
+        target = ref["final_loss"]  # DDP's windowed loss at its last step
+        hit = next((i for i, v in enumerate(curve) if v <= target), None)
         r["target_loss"] = target
         r["time_to_target_s"] = None if hit is None else r["time_curve"][hit]
         r["steps_to_target"] = None if hit is None else hit + 1
         r["final_over_ddp"] = r["final_loss"] / ref["final_loss"]
-        if r.get("eth_tx_bytes_per_node") and ref.get("eth_tx_bytes_per_node"):  # the busiest node's link
-            r["eth_over_ddp"] = max(r["eth_tx_bytes_per_node"]) / max(ref["eth_tx_bytes_per_node"])
+        if trainlib.busiest_eth(r) and trainlib.busiest_eth(ref):
+            r["eth_over_ddp"] = trainlib.busiest_eth(r) / trainlib.busiest_eth(ref)
     for r in rows:
         ref = ddp.get(r["seed"])
         if ref is not None and ref.get("time_to_target_s") and r.get("time_to_target_s"):
@@ -203,7 +203,7 @@ def print_rows(rows: list[dict]) -> None:
             v = r.get(k)
             return "-" if v is None else format(v, fmt)
         mark = "" if r["bytes_source"] == "counters" else " (model)"
-        eth = max(r["eth_tx_bytes_per_node"]) if r.get("eth_tx_bytes_per_node") else None
+        eth = trainlib.busiest_eth(r)
         print(f"{r['variant']:<14}{r['seed']:>5}{r['step_s']:>9.3f}{r['inter_bytes']:>14.0f}"
               f"{'-' if eth is None else format(eth, '.0f'):>14}{r['final_loss']:>11.4f}"
               f"{f('final_over_ddp', '.4f'):>10}{f('time_to_target_s', '.1f'):>17}{f('ddp_over_this', '.2f'):>9}{mark}")

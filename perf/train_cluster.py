@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 
 import clusterlib  # noqa: E402
 import train_bench  # noqa: E402
+import trainlib  # noqa: E402
 from zpp import cluster  # noqa: E402
 
 MODEL_ARGS = ("model", "n_layer", "n_embd", "n_head", "block", "batch", "steps", "warmup", "unit_min_numel",
@@ -44,9 +45,6 @@ def _variant(name: str, rate: str, args, tmp: Path) -> dict:
     return json.loads(out.read_text())["rows"][0]
 
 
-def _eth(row: dict) -> float | None:
-    return max(row["eth_tx_bytes_per_node"]) if "eth_tx_bytes_per_node" in row else None
-
 
 def check(rows: dict[str, dict], slow: bool) -> list[str]:
     ok = {k: r for k, r in rows.items() if "error" not in r}
@@ -63,8 +61,9 @@ def check(rows: dict[str, dict], slow: bool) -> list[str]:
         if slow:
             say("ZeRO++ step speedup over stage 3", z3["step_s"] / pp["step_s"], ">=", 3.0)
         say("ZeRO++ / stage 3 inter-node bytes (counters)", pp["inter_bytes"] / z3["inter_bytes"], "<=", 0.15)
-        if _eth(z3) and _eth(pp):
-            say("ZeRO++ / stage 3 node-link bytes (measured)", _eth(pp) / _eth(z3), "<=", 0.15)
+        if trainlib.busiest_eth(z3) and trainlib.busiest_eth(pp):
+            say("ZeRO++ / stage 3 node-link bytes (measured)", trainlib.busiest_eth(pp) / trainlib.busiest_eth(z3),
+                "<=", 0.15)
     return lines
 
 

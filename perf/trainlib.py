@@ -165,6 +165,12 @@ def counted_per_step(snap: dict, steps: int) -> tuple[float, float]:
     return (sum(s.inter_bytes for s in snap.values()) / steps, sum(s.intra_bytes for s in snap.values()) / steps)
 
 
+def busiest_eth(row: dict) -> float | None:
+    """The busiest node's link bytes per step (:func:`node_eth_per_step`), None outside
+    ``zpp cluster``."""
+    return max(row["eth_tx_bytes_per_node"]) if row.get("eth_tx_bytes_per_node") else None
+
+
 def fmt_eth(row: dict, key: str) -> str:
     return ", ".join(f"{b:.0f}" for b in row[key]) if key in row else "-"
 
