@@ -279,6 +279,8 @@ def test_run_torch_gloo_all_reduce(two_nodes, tmp_path):
     rc = cluster.run([sys.executable, str(script)], nodes=2, ranks_per_node=1, backend="torch",
                      timeout=75, stdout=out, stderr=err)
     assert rc == 0, err.getvalue()
+    # each node's hosts file names every peer: torch's store resolves them, so no c10d warning
+    assert "hostname of the client socket" not in err.getvalue(), err.getvalue()
     # rank 0's stdout arrives unprefixed on stdout; rank 1's prefixed on stderr
     r0 = _results(out.getvalue())
     r1 = _results(err.getvalue())
@@ -377,6 +379,8 @@ def test_second_up_replaces_first(two_nodes):
 @pytest.mark.timeout(30)
 def test_down_leaves_nothing_behind(root_links):
     cluster.up(2, RATE)
+    hosts = [os.path.join(netns.NETNS_ETC, netns.node_ns(i), "hosts") for i in range(2)]
+    assert all("198.18.0.2 zpp-n1" in open(h).read() for h in hosts), hosts
     assert DECOY_NS not in netns.list_namespaces(), DECOY_NS  # never remove what we did not make
     subprocess.run(["ip", "netns", "add", DECOY_NS], check=True)
     try:
@@ -385,6 +389,7 @@ def test_down_leaves_nothing_behind(root_links):
         names = netns.list_namespaces()
         assert DECOY_NS in names  # prefixed but not ours: untouched
         assert [n for n in names if netns.is_owned_namespace(n)] == []
+        assert not any(os.path.exists(os.path.dirname(h)) for h in hosts), hosts
         assert _root_links() == root_links
         assert cluster.status()["up"] is False
         res = _cli("status")

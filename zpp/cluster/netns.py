@@ -13,7 +13,12 @@ Topology (every name carries :data:`PREFIX`)::
 * each node link is shaped in both directions with ``tbf``: egress of the node-side veth is
   the node's upload, egress of the switch-side veth its download;
 * an optional one-way ``delay`` is added with ``netem`` on the upload side only (so the
-  latency between two nodes is ``delay`` each way), where the kernel has netem.
+  latency between two nodes is ``delay`` each way), where the kernel has netem;
+* each node gets a hosts file (``/etc/netns/zpp-n<i>/hosts``, which ``ip netns exec`` mounts
+  over ``/etc/hosts``) naming every node's address, plain and IPv4-mapped, and loopback:
+  inside a namespace no DNS server is reachable, so without it every reverse lookup fails
+  (torch's TCPStore printed "The hostname of the client socket cannot be retrieved" on
+  every rank).
 
 The cluster's state is read back from the live namespaces and qdiscs; no state file.
 """
@@ -416,8 +421,34 @@ def _alive(pid: int) -> bool:
         return False
 
 
+NETNS_ETC = "/etc/netns"
+
+
+def write_hosts(nodes: int, etc: str = NETNS_ETC) -> None:
+    """Each node's ``<etc>/zpp-n<i>/hosts``: loopback and every node's address (plain and
+    IPv4-mapped, as a dual-stack socket reports a peer) under its namespace's name."""
+    lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost"]
+    for i in range(nodes):
+        lines += [f"{node_address(i)} {node_ns(i)}", f"::ffff:{node_address(i)} {node_ns(i)}"]
+    for i in range(nodes):
+        folder = os.path.join(etc, node_ns(i))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w", encoding="ascii") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def remove_hosts(etc: str = NETNS_ETC) -> None:
+    """Remove the folders :func:`write_hosts` made (our names only)."""
+    if not os.path.isdir(etc):
+        return
+    for name in os.listdir(etc):
+        if OWNED_NS_RE.match(name):
+            shutil.rmtree(os.path.join(etc, name), ignore_errors=True)
+
+
 def down(*, kill_processes: bool = True) -> list[str]:
-    """Remove every namespace this module owns (``zpp-sw``, ``zpp-n<i>``, probes) and nothing else.
+    """Remove every namespace this module owns (``zpp-sw``, ``zpp-n<i>``, probes), their
+    hosts files, and nothing else.
 
     Deleting a namespace destroys the veths and the bridge inside it. Processes still running
     in those namespaces are terminated first (``kill_processes``), otherwise their network
@@ -432,6 +463,7 @@ def down(*, kill_processes: bool = True) -> list[str]:
         res = sh(["ip", "netns", "del", ns], check=False)
         if res.returncode != 0 and ns in list_namespaces():
             errors.append(f"ip netns del {ns}: {res.stderr.strip()}")
+    remove_hosts()
     if errors:
         raise ClusterError("could not remove: " + "; ".join(errors))
     return names
@@ -474,6 +506,7 @@ def up(nodes: int, rate: str | int | float, delay: str | float | None = None) ->
             sh(["ip", "-n", ns, "link", "set", NODE_IF, "up"])
             shape_link(ns, NODE_IF, rate_bits, delay_s)  # upload (+ one-way delay)
             shape_link(SWITCH_NS, sif, rate_bits)  # download
+        write_hosts(nodes)
     except BaseException:
         try:
             down()
