@@ -8,9 +8,12 @@
 * Every test's pytest timeout is handed to :mod:`tests.dist`, so that a world started with
   ``run_world(timeout=...)`` must end (or be killed with its diagnostics) before pytest
   kills the test; see :func:`tests.dist.run_world`.
+* The run ends with the skipped tests counted by reason, one line each (``-q`` would show
+  only "N skipped": most are GPU-only or opt-in cluster cases, and a newcomer should see so).
 """
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -82,3 +85,20 @@ def _world_deadline(request):
         yield
     finally:
         dist.TEST_DEADLINE = dist.TEST_LIMIT = None
+
+
+def skip_reason(report) -> str:
+    """The reason a skipped test's report gives, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ").strip()
+
+
+def pytest_terminal_summary(terminalreporter):
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    counts = collections.Counter(skip_reason(r) for r in skipped)
+    terminalreporter.write_line(f"{len(skipped)} skipped, by reason:")
+    for reason, n in counts.most_common():
+        terminalreporter.write_line(f"  {n:5d}  {reason}")

@@ -5,7 +5,6 @@ few and small because starting ranks costs seconds on 2 cores.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,9 +16,9 @@ import pytest
 
 from tests.dist import needs_mpi
 from zpp.bench.config import OPS, BenchConfig, applicable, format_size, parse_size, parse_sizes
-from zpp.bench.harness import count_for, iterations
+from zpp.bench.harness import Row, count_for, iterations
 from zpp.bench.launch import detect
-from zpp.bench.report import COLUMNS
+from zpp.bench.report import COLUMNS, loopback_note
 
 ROOT = Path(__file__).resolve().parent.parent
 _LAUNCHER_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
@@ -108,9 +107,8 @@ def _ratio(rows: list[dict], variant: str, min_size: int) -> list[float]:
 def test_bench_two_ranks_table_json_and_plot(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--sizes", "1K:64K", "--iters", "3", "--warmup", "1", "--nprocs", "2", "--json", str(out)]
-    plot = tmp_path / "bench.png" if importlib.util.find_spec("matplotlib") else None  # optional extra
-    if plot is not None:
-        args += ["--plot", str(plot)]
+    plot = tmp_path / "bench.png"  # matplotlib: the plot extra, which the test extra includes
+    args += ["--plot", str(plot)]
     res = _bench(*args)
     assert res.returncode == 0, res.stderr
     rows = _check_table(res.stdout, world=2, nodes=1)
@@ -144,8 +142,7 @@ def test_bench_two_ranks_table_json_and_plot(tmp_path):
         assert j["ratio"] == pytest.approx(j["size"] * _factor(j["op"], 2) / j["wire_bytes"], rel=1e-12)
     table_rows = [(op, r["size"], r["variant"], r["wrong"]) for op in rows for r in rows[op]]
     assert table_rows == [(j["op"], j["size"], j["compress"], j["wrong"]) for j in jrows]
-    if plot is not None:
-        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(240)
@@ -258,3 +255,18 @@ def test_launcher_detection():
     assert both.kind == "torchrun"
     with pytest.raises(ValueError, match="PMI_SIZE='four'"):
         detect({"PMI_RANK": "0", "PMI_SIZE": "four"})
+
+
+def _row(op: str, compress: str, time_us: float, size: int = 1 << 20) -> Row:
+    return Row(op=op, compress=compress, size=size, count=size // 4, dtype="float32", time_us=time_us, algbw=0.0,
+               busbw=0.0, wrong=0, inter_bytes=0, intra_bytes=0, wire_bytes=0, ratio=None, logical_per_wire=None,
+               maxrelerr=0.0, max_abs_err=0.0, warmup=1, iters=1)
+
+
+def test_loopback_note_says_why_compression_lost():
+    rows = [_row("all_reduce", "none", 100.0), _row("all_reduce", "int8", 260.0), _row("all_reduce", "int4", 90.0),
+            _row("reduce_scatter", "none", 100.0), _row("reduce_scatter", "2hop", 150.0)]
+    note = loopback_note(rows, on_cluster=False)
+    assert note.startswith("note: all_reduce/int8 slower than plain here") and "zpp cluster run" in note, note
+    assert loopback_note(rows, on_cluster=True) is None  # under zpp cluster run the table answers
+    assert loopback_note(rows[:1] + rows[2:], on_cluster=False) is None  # int4 won, 2hop is not compression

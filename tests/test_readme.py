@@ -17,7 +17,6 @@ line whose comment claims a node layout ("2 emulated nodes x 2", "2 x 2") must p
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -116,8 +115,6 @@ def _run_bash_line(line: str, cwd: Path) -> None:
         else:
             if part.split()[0] == "zpp" and shutil.which("zpp") is None:
                 pytest.skip("the zpp command is not installed (pip install -e .)")
-            if "--plot" in part and importlib.util.find_spec("matplotlib") is None:
-                pytest.skip("--plot needs the plot extra (matplotlib)")
             res = _ran.get(part) or _run(part, cwd)
             _ran[part] = res
             layout = _claimed_layout(comment)
@@ -167,12 +164,13 @@ def test_readme_block(block, tmp_path):
 
 
 def test_readme_opening_block():
-    """The first block: the two commands (install + zpp bench; install + tests), the test time,
-    and the CPU-only install."""
+    """The first block: the CPU-only install, then the two commands (install + zpp bench;
+    install + tests), and the test time."""
     first = BLOCKS[0]
     commands = [line for line in first["code"].splitlines() if line and not line.startswith("#")]
-    assert commands[0] == "pip install -e . && zpp bench"
-    assert commands[1] == f"pip install -e '.[test]' && {TEST_COMMAND}"
-    assert commands[2] == "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    # in the order they must run: the CPU-only torch before anything that would resolve torch
+    assert commands[0] == "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert commands[1] == "pip install -e . && zpp bench"
+    assert commands[2] == f"pip install -e '.[test]' && {TEST_COMMAND}"
     assert re.search(r"about \d+ minutes", first["code"]), first["code"]
     assert f"{CLUSTER_ENV}=1" in README.read_text()  # how to run the cluster tests

@@ -108,7 +108,7 @@ def _start_ranks(args: argparse.Namespace, argv: list[str], cfg: BenchConfig) ->
         parser.error(f"--nprocs {nprocs} is not divisible by --ranks-per-node {rpn}")
     backend = args.backend or "torch"
     if backend == "mpi" and importlib.util.find_spec("mpi4py") is None:
-        parser.error("--backend mpi needs mpi4py: pip install 'zpp[mpi]'")
+        parser.error("--backend mpi needs mpi4py: pip install mpi4py mpich (zpp's mpi extra)")
     how = "mpiexec" if backend == "mpi" else "torch.distributed (gloo)"
     print(f"zpp bench: {nprocs} local ranks = {nprocs // rpn} emulated nodes x {rpn}, over {how}",
           file=sys.stderr)
@@ -151,7 +151,8 @@ def run_rank(cfg: BenchConfig, backend: str, outputs: tuple[str | None, str | No
     import warnings
 
     from zpp.bench.harness import run_sweep, sweep_meta
-    from zpp.bench.report import Table, write_json
+    from zpp.bench.report import Table, loopback_note, write_json
+    from zpp.cluster.launch import RUN_ID_VAR
     from zpp.comm.registry import get_transport
     from zpp.comm.topology import topology_of
 
@@ -174,6 +175,9 @@ def run_rank(cfg: BenchConfig, backend: str, outputs: tuple[str | None, str | No
         if not lead:
             return 0
         wrong = table.footer()
+        note = loopback_note(rows, on_cluster=RUN_ID_VAR in os.environ)
+        if note:
+            print(f"zpp bench: {note}", file=sys.stderr)
         json_path, plot_path = outputs
         if json_path:
             write_json(json_path, meta, rows)

@@ -202,7 +202,7 @@ def reexec_under_mpiexec(argv: list[str], *, nprocs: int, ranks_per_node: int, t
     (124 on timeout, after stopping it)."""
     exe = shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:
-        raise FileNotFoundError("--backend mpi needs mpiexec or mpirun on PATH (pip install mpich mpi4py)")
+        raise FileNotFoundError("--backend mpi needs mpiexec or mpirun on PATH (pip install mpi4py mpich: zpp's mpi extra)")
     cmd = [exe, "-n", str(nprocs), sys.executable, "-m", "zpp", *argv]
     env = {**os.environ, "ZPP_RANKS_PER_NODE": str(ranks_per_node), "OMP_NUM_THREADS": "1",
            CHILD_MARKER: "1"}

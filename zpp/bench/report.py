@@ -14,7 +14,7 @@ from typing import IO
 
 from zpp.bench.harness import Row
 
-__all__ = ["COLUMNS", "Table", "write_json"]
+__all__ = ["COLUMNS", "Table", "loopback_note", "write_json"]
 
 COLUMNS = ("size(B)", "count", "type", "variant", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
            "#wrong", "inter(B)", "ratio", "maxrelerr")
@@ -112,3 +112,20 @@ def write_json(path: str, meta: dict, rows: list[Row]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
+
+
+def loopback_note(rows: list[Row], on_cluster: bool) -> str | None:
+    """Why compression lost, where it did on one machine: the nodes share loopback (tens of
+    Gbit/s), so quantizing costs more time than the bytes it saves. None under ``zpp cluster
+    run`` (there the table is the answer) or when no compressed variant was slower."""
+    if on_cluster:
+        return None
+    plain = {(r.op, r.size): r.time_us for r in rows if r.compress == "none"}
+    slower = sorted({f"{r.op}/{r.compress}" for r in rows
+                     if r.compress not in ("none", "2hop") and r.time_us > plain.get((r.op, r.size), math.inf)})
+    if not slower:
+        return None
+    return (f"note: {', '.join(slower)} slower than plain here: these emulated nodes share one machine's "
+            "loopback, where quantizing costs more time than the bytes it saves. Compression pays where "
+            "the link is slow; see it on this machine (root): `zpp cluster up --nodes 2 --rate 100mbit && "
+            "zpp cluster run --nodes 2 --ranks-per-node 2 -- zpp bench; zpp cluster down`")

@@ -326,7 +326,7 @@ def find_mpiexec() -> str:
     found = shutil.which("mpiexec")
     if not found:
         raise PrerequisiteError(
-            "the mpi backend needs MPICH's hydra `mpiexec` (e.g. `pip install mpich mpi4py`); "
+            "the mpi backend needs MPICH's hydra `mpiexec` (`pip install mpi4py mpich`: zpp's mpi extra); "
             "none found next to this Python or on PATH"
         )
     return found

@@ -152,11 +152,11 @@ def _run_alone(args: argparse.Namespace, cfg: BenchConfig) -> int:
     if args.backends is None:
         backends = ["torch"] + (["mpi"] if _mpi_available() else [])
         if "mpi" not in backends:
-            _note("note: mpi4py or mpiexec missing, tuning torch only (pip install 'zpp[mpi]' mpich)")
+            _note("note: mpi4py or mpiexec missing, tuning torch only (pip install mpi4py mpich: zpp's mpi extra)")
     else:
         backends = list(args.backends)
         if "mpi" in backends and not _mpi_available():
-            parser.error("--backends mpi needs mpi4py and mpiexec: pip install 'zpp[mpi]' mpich")
+            parser.error("--backends mpi needs mpi4py and mpiexec: pip install mpi4py mpich (zpp's mpi extra)")
     if args.cluster:
         rpn = args.ranks_per_node or 1
         if args.nprocs is not None and args.nprocs % rpn:
