@@ -6,7 +6,8 @@ The source zpp.quant.cuda loads (``zc.source_path()``, the only kernel file) is 
 its ``_OPTIONS`` and every name expression of ``_NAMES``, each of which must get a lowered
 name. A compile error, a missing name or any message in the log (warnings count, like
 nvcc's -Werror) fails. libnvrtc comes from ``$ZPP_NVRTC``, the CUDA toolkit, or the pip
-wheel ``nvidia-cuda-nvrtc``; none found: skipped (exit 0), unless ``ZPP_REQUIRE_NVRTC=1``.
+wheel ``nvidia-cuda-nvrtc``; none found, or zpp not importable: skipped (exit 0), unless
+``ZPP_REQUIRE_NVRTC=1``.
 """
 import ctypes
 import ctypes.util
@@ -34,8 +35,8 @@ def find_nvrtc():
 
 
 path = find_nvrtc()
+required = os.environ.get("ZPP_REQUIRE_NVRTC") == "1"
 if path is None:
-    required = os.environ.get("ZPP_REQUIRE_NVRTC") == "1"
     print(f"nvrtc  cuda/quant.cu: {'FAILED' if required else 'skipped'} (no libnvrtc found; "
           "pip install nvidia-cuda-nvrtc to check)")
     sys.exit(1 if required else 0)
@@ -43,8 +44,8 @@ sys.path.insert(0, os.getcwd())
 try:
     from zpp.quant import cuda as zc
 except Exception as exc:  # torch missing, say
-    print(f"nvrtc  cuda/quant.cu: skipped (cannot import zpp.quant.cuda: {exc})")
-    sys.exit(0)
+    print(f"nvrtc  cuda/quant.cu: {'FAILED' if required else 'skipped'} (cannot import zpp.quant.cuda: {exc})")
+    sys.exit(1 if required else 0)
 
 # libnvrtc opens libnvrtc-builtins by name: load the one beside it first (pip wheels).
 for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
