@@ -3,6 +3,7 @@
     zpp bench [options]        time the collectives, plain and compressed (zpp.bench)
     zpp cluster up|status|down|run   an emulated slow multi-node cluster (zpp.cluster)
     zpp tune [options]         choose backend and compression per collective and size (zpp.tune)
+    zpp run COMMAND ...        run COMMAND with `import deepspeed` giving zpp (zpp.as_deepspeed)
     python -m zpp bench ...    the same without the installed script
 
 Each subcommand is a module with ``HELP``, ``add_arguments(parser)`` and
@@ -24,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "bench": "zpp.bench.command",
     "cluster": "zpp.cluster.cli",
     "tune": "zpp.tune.command",
+    "run": "zpp.run_command",
 }
 
 
