@@ -376,7 +376,7 @@ def _script(t, ds_path, use_fused):
     engine, optimizer, _, _ = deepspeed.initialize(model=net, model_parameters=parameters, config=config,
                                                    transport=t, **kw)
     device = get_accelerator().device_name(t.rank)
-    uses_lamb = engine.config.optimizer is not None and engine.config.optimizer.type in (
+    uses_lamb = engine.train_config.optimizer is not None and engine.train_config.optimizer.type in (
         deepspeed.runtime.config.LAMB_OPTIMIZER, deepspeed.runtime.config.ONEBIT_LAMB_OPTIMIZER)
     g = torch.Generator().manual_seed(10 + t.rank)
     losses = []

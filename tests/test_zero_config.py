@@ -153,7 +153,17 @@ def _world_errors(t):
     attempt("hpz_not_divide", good, {**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}})
     attempt("hpz_not_node", good, {**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}})
     attempt("batch", good, {**base, "train_batch_size": 3, "train_micro_batch_size_per_gpu": 1})
-    attempt("no_optimizer", good, {})
+    # no optimizer anywhere: an engine for evaluation (DeepSpeed's too), which refuses to train
+    torch.manual_seed(0)
+    ev, ev_opt, _, ev_sched = zz.initialize(model=torch.nn.Linear(3, 5), config={"zero_optimization": {"stage": 3}},
+                                            transport=t)
+    out = ev(torch.ones(2, 3))
+    try:
+        ev.backward(out.sum())
+        seen["no_optimizer"] = None
+    except RuntimeError as e:
+        seen["no_optimizer"] = (ev_opt, ev_sched, tuple(out.shape), str(e))
+    ev.close()
     attempt("fp64", torch.nn.Linear(2, 2).double(), base)
     attempt("ok", good, {**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2,
                                                        "zero_quantized_gradients": True}})
@@ -174,7 +184,7 @@ def test_world_errors():
     assert "zero_hpz_partition_size=3" in r["hpz_not_divide"]
     assert "zero_hpz_partition_size=4" in r["hpz_not_node"] and "(2)" in r["hpz_not_node"]
     assert "train_batch_size=3" in r["batch"]
-    assert "no optimizer" in r["no_optimizer"]
+    assert r["no_optimizer"][:3] == (None, None, (2, 5)) and "without an optimizer" in r["no_optimizer"][3]
     assert r["fp64"].startswith("TypeError") and "torch.float64" in r["fp64"]
     assert r["ok"] is None
     assert r["registry"] == ("TorchTransport", 4, True, True)
@@ -298,8 +308,7 @@ ACCEPTED_SAMPLES = {
     "zero_optimization.stage3_allgather_sequential": False, "zero_optimization.memory_efficient_linear": False,
     "zero_optimization.round_robin_gradients": True, "zero_optimization.sub_group_size": 1e9,
     "zero_optimization.override_module_apply": True, "zero_optimization.log_trace_cache_warnings": False,
-    "zero_optimization.elastic_checkpoint": True, "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": False,
+    "zero_optimization.elastic_checkpoint": True,
     "wall_clock_breakdown": True, "memory_breakdown": False, "prescale_gradients": True,
     "gradient_predivide_factor": 2.0, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": True,
     "aio": {"block_size": 1048576, "queue_depth": 8},
@@ -398,6 +407,8 @@ def test_implemented_keys_change_the_config():
         "zero_optimization.zero_quantized_gradients": True, "zero_optimization.reduce_bucket_size": 1000,
         "zero_optimization.allgather_bucket_size": 1000, "zero_optimization.stage3_prefetch_bucket_size": 0,
         "zero_optimization.stage3_param_persistence_threshold": 1e4,
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save": True,
         "zero_optimization.offload_optimizer.device": "cpu", "zero_optimization.offload_optimizer.pin_memory": True,
         "zero_optimization.offload_param.device": "cpu", "zero_optimization.offload_param.pin_memory": True,
         "zero_optimization.cpu_offload": True, "zero_optimization.cpu_offload_param": True,

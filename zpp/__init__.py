@@ -22,8 +22,8 @@ _LAZY = {
     "get_accelerator": "zpp.accelerator:get_accelerator",
     "logger": "zpp.utils.logging:logger",
     "log_dist": "zpp.utils.logging:log_dist",
-    **{m: f"zpp.{m}" for m in ("accelerator", "checkpointing", "comm", "moe", "ops", "optim", "quant", "runtime",
-                                "utils", "zero")},
+    **{m: f"zpp.{m}" for m in ("accelerator", "checkpoint", "checkpointing", "comm", "moe", "ops", "optim", "quant",
+                                "runtime", "utils", "zero")},
 }
 __all__ = ["__version__", *_LAZY]
 

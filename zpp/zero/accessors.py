@@ -24,7 +24,7 @@ class DeepSpeedAccessors:
         from torch.utils.data import DataLoader, DistributedSampler
 
         del route  # DeepSpeed's train/eval routing only picks defaults
-        bs = batch_size if batch_size is not None else self.config.train_micro_batch_size_per_gpu
+        bs = batch_size if batch_size is not None else self.train_config.train_micro_batch_size_per_gpu
         if bs is None:
             raise ValueError("zpp.initialize: training_data= needs train_micro_batch_size_per_gpu (or "
                              "train_batch_size) in the config")
@@ -58,38 +58,38 @@ class DeepSpeedAccessors:
         return u.flat.device if u is not None else torch.device("cpu")
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
-        return self.config.train_micro_batch_size_per_gpu
+        return self.train_config.train_micro_batch_size_per_gpu
 
     def train_batch_size(self) -> int | None:
-        return self.config.train_batch_size
+        return self.train_config.train_batch_size
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.train_config.gradient_accumulation_steps
 
     def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
+        return self.train_config.precision == "fp16"
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
+        return self.train_config.precision == "bf16"
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
+        return self.train_config.zero.stage
 
     def zero_optimization(self) -> bool:
-        return self.config.zero.stage > 0
+        return self.train_config.zero.stage > 0
 
     def optimizer_name(self) -> str | None:
         """The config's optimizer type as DeepSpeed spells it, or the class name of the
         optimizer passed in."""
         from zpp.zero.config import ONEBIT_OPTIMIZERS
 
-        cfg = self.config.optimizer
+        cfg = self.train_config.optimizer
         if cfg is None:
             return type(self.optimizer).__name__
         return ONEBIT_OPTIMIZERS.get(cfg.type, cfg.type)
 
     def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
+        return self.train_config.gradient_clipping
 
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` updated the weights: False between accumulation

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from zpp.comm.transport import Transport
-from zpp.zero.deepspeed_config import from_args
+from zpp.zero.deepspeed_config import deepspeed_dict, from_args
 from zpp.zero.engine import ZeroEngine
 from zpp.zero.param_groups import ParamGroups
 
@@ -37,9 +37,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             JSON file of zpp's own keys.
         model: any ``nn.Module`` with fp32, bf16 or fp16 parameters. Weights that differ
             between ranks are replaced by rank 0's (``zpp.check_parameters``).
-        optimizer: a torch optimizer (rebuilt with its ``defaults`` over the fp32 master
-            shards, one group per group of its own) or a factory ``param_groups ->
-            optimizer``, when the config has no "optimizer".
+        optimizer: a torch optimizer (the engine steps this object, its groups pointed at
+            the fp32 master shards, so a scheduler built on it keeps working; see [Note: the
+            caller's optimizer] in :mod:`zpp.zero.optimizer`) or a factory ``param_groups ->
+            optimizer``, when the config has no "optimizer". With neither, the engine is for
+            evaluation: ``backward`` and ``step`` raise, the returned optimizer is None.
         model_parameters: what to train: parameters, a generator of them, or parameter-group
             dicts with their own options (``weight_decay``, ``lr``, the 1-bit optimizers'
             ``exp_avg_mask``); the others are frozen (Default: every parameter that requires
@@ -79,7 +81,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise NotImplementedError("zpp.initialize: mesh_param= (device meshes) is not implemented")
     if config is not None and config_params is not None:
         raise ValueError("zpp.initialize: pass config or config_params, not both")
-    cfg = from_args(args, config if config is not None else config_params)
+    given = config if config is not None else config_params
+    cfg = from_args(args, given)
     if transport is None:
         from zpp.comm import registry
 
@@ -87,10 +90,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         transport = registry.get_transport(cfg.zpp.transport, **timeout)
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = ParamGroups.of_optimizer(optimizer)
+    elif optimizer is None and cfg.optimizer is None:  # for evaluation: nothing trains
+        groups = ParamGroups.none()
     else:
         groups = ParamGroups.of(model_parameters)
     engine = ZeroEngine(model, config=cfg, world=transport, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        groups=groups)
+                        groups=groups, ds_config=deepspeed_dict(args, given))
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler

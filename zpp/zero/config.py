@@ -100,11 +100,14 @@ class ZeroConfig:
     (Default: device "none")."""
     offload_param: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     """Where the partitioned parameters live between uses (stage 3) (Default: device "none")."""
+    gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: ``engine.save_16bit_model()`` and the front-ends' model export gather the
+    whole model (``engine.zero_gather_16bit_weights_on_model_save()``) (Default: False)."""
 
     def __post_init__(self) -> None:
         w = "ZeroConfig"
         check_choice(w, "stage", self.stage, STAGES)
-        for name in ("quantized_weights", "quantized_gradients"):
+        for name in ("quantized_weights", "quantized_gradients", "gather_16bit_weights_on_model_save"):
             check_bool(w, name, getattr(self, name))
         for name in ("reduce_bucket_size", "allgather_bucket_size", "hpz_partition_size"):
             check_int(w, name, getattr(self, name), lo=1)

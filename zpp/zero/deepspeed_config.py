@@ -202,6 +202,18 @@ def from_args(args: Any = None, config: TrainConfig | Mapping[str, Any] | str | 
     return as_config(raw)
 
 
+def deepspeed_dict(args: Any = None, config: Any = None) -> dict[str, Any]:
+    """The DeepSpeed config ``initialize`` was given, as a plain dict (a copy; the file
+    ``args.deepspeed_config`` or ``config`` names, read): DeepSpeed's ``engine.config``,
+    which front-ends read (``engine.config.get("zero_optimization")``). Empty for a
+    :class:`TrainConfig` or no config. Only for reading: zpp runs on the typed config."""
+    config = config if config is not None else getattr(args, "deepspeed_config", None) or getattr(
+        args, "deepscale_config", None)
+    if config is None or isinstance(config, TrainConfig):
+        return {}
+    return json.loads(json.dumps(_load(config), default=str))
+
+
 def _fp16(sec: Mapping[str, Any]) -> Fp16Config:
     return Fp16Config(**{k: KEYS[f"fp16.{k}"].check(f"fp16.{k}", v) for k, v in sec.items()
                          if k != "fp16_master_weights_and_grads"})
@@ -237,7 +249,9 @@ def _zero(zero: Mapping[str, Any], notes: list[str]) -> ZeroConfig:
                      ("reduce_bucket_size", "reduce_bucket_size"),
                      ("allgather_bucket_size", "allgather_bucket_size"),
                      ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
-                     ("stage3_param_persistence_threshold", "param_persistence_threshold")):
+                     ("stage3_param_persistence_threshold", "param_persistence_threshold"),
+                     ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"),
+                     ("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save")):
         if ds in zero:
             zkw[ours] = KEYS[f"{_ZERO}.{ds}"].check(f"{_ZERO}.{ds}", zero[ds])
     stage = zkw.get("stage", 0)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,13 @@ def _int(lo=None):
 
 def _num(lo=None, lo_open=False, hi=None):
     return lambda p, v: check_number(WHERE, p, v, lo=lo, lo_open=lo_open, hi=hi)
+
+
+def _steps_per_print(p, v):
+    """An integer >= 0, or infinity (accelerate writes float("inf")): never print, as 0."""
+    if isinstance(v, float) and v == math.inf:
+        return 0
+    return check_int(WHERE, p, v, lo=0, lenient=True)
 
 
 def _choice(*choices):
@@ -157,7 +165,8 @@ _KEY_LIST: list[DsKey] = [
           nullable=True),
     _impl("gradient_accumulation_steps", "TrainConfig.gradient_accumulation_steps", _int(lo=1), nullable=True),
     _impl("gradient_clipping", "TrainConfig.gradient_clipping (a number; true is refused)", _num(lo=0)),
-    _impl("steps_per_print", "TrainConfig.steps_per_print", _int(lo=0), nullable=True),
+    _impl("steps_per_print", "TrainConfig.steps_per_print (0 or inf, which accelerate writes: never)",
+          _steps_per_print, nullable=True),
     _impl("optimizer", "TrainConfig.optimizer", _dict, nullable=True, section=True),
     _impl("optimizer.type", "OptimizerConfig.type: Adam, AdamW, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb "
           "(case-insensitive)", _str),
@@ -242,9 +251,9 @@ _KEY_LIST: list[DsKey] = [
     _accept(f"{_ZERO}.override_module_apply", "zpp does not patch Module.apply", _bool),
     _accept(f"{_ZERO}.log_trace_cache_warnings", "zpp logs prefetch fallbacks in engine.prefetch_stats", _bool),
     _accept(f"{_ZERO}.elastic_checkpoint", "zpp's checkpoints load at any world size", _bool),
-    _accept(f"{_ZERO}.stage3_gather_16bit_weights_on_model_save", "only for engine.save_16bit_model(), which "
-            "zpp does not offer", _bool),
-    _accept(f"{_ZERO}.stage3_gather_fp16_weights_on_model_save", "deprecated name of the above", _bool),
+    _impl(f"{_ZERO}.stage3_gather_16bit_weights_on_model_save", "ZeroConfig.gather_16bit_weights_on_model_save "
+          "(engine.save_16bit_model, the front-ends' ZeRO-3 export)", _bool),
+    _impl(f"{_ZERO}.stage3_gather_fp16_weights_on_model_save", "deprecated name of the above", _bool),
     _refuse_flag(f"{_ZERO}.load_from_fp32_weights", "zpp's checkpoints hold fp32 masters and load them",
                  default=True),
     _refuse_flag(f"{_ZERO}.ignore_unused_parameters", "zpp reduces unused parameters' gradients as zeros",

@@ -18,8 +18,19 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 :mod:`~zpp.zero.offload`    ZeRO-Offload: optimizer state and parameter shards in host memory
 :mod:`~zpp.zero.precision`  bf16/fp16 casts of the model and (``fp16.auto_cast``) its inputs
 :mod:`~zpp.zero.accessors`  DeepSpeed's engine accessors (``global_rank``, ``get_lr()``, ...)
+:mod:`~zpp.zero.deepspeed_methods`  DeepSpeed's other engine methods (accumulation boundary, 16-bit export)
 :mod:`~zpp.zero.api`        ``initialize``, DeepSpeed's signature
 ==========================  =============================================================
+
+[Note: a module initialized again]
+DeepSpeed lets ``initialize`` wrap a module that an earlier engine wraps (Lightning builds
+an evaluation engine over the trained module after ``fit``; the Trainer does the same for
+``evaluate``). zpp's engines own their parameters (hooks, shards, the access registry), so
+the new engine first closes the earlier one: its hooks are removed and, at stage 3, its
+parameters gathered back whole (collective; ``initialize`` runs on every rank at the same
+point), then the new engine takes them. The earlier engine is unusable afterwards. (An
+engine stays alive while it holds parameters, even when the caller dropped it, as the
+front-ends do, so that it can be closed here.)
 
 [Note: skipped steps]
 At every accumulation boundary the engine checks the step's gradients on every rank (the
@@ -55,6 +66,7 @@ from zpp.zero.accessors import DeepSpeedAccessors
 from zpp.zero.agreement import check_same_config, check_same_parameters
 from zpp.zero.comm_api import Comms, Phase
 from zpp.zero.config import TrainConfig
+from zpp.zero.deepspeed_methods import DeepSpeedMethods
 from zpp.zero.gather import build_gathers
 from zpp.zero.gradnorm import check_grads, unscale_and_clip
 from zpp.zero.hooks import EngineHooks
@@ -75,13 +87,15 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 log = logging.getLogger("zpp.zero")
 
 
-class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
+class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
     """Wraps a module for ZeRO data-parallel training, as DeepSpeed's engine does (an
     ``nn.Module`` holding the model as ``module``). Build it with :func:`initialize`.
 
     Attributes:
         module: the wrapped model.
-        config: the :class:`TrainConfig` in force (batch sizes resolved for the world).
+        train_config: the :class:`TrainConfig` in force (batch sizes resolved for the world).
+        config: the DeepSpeed config as given to ``initialize`` (a dict, for reading, as
+            DeepSpeed's ``engine.config``; empty when a :class:`TrainConfig` was given).
         policy: the :class:`ShardingPolicy` derived from it.
         world: the data-parallel transport ZeRO shards over: every rank, or the ranks of this
             rank's node in the hierarchical mode (``zpp.outer``).
@@ -102,10 +116,12 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, *, config: TrainConfig, world: Transport,
-                 optimizer: Any = None, lr_scheduler: Any = None, groups: ParamGroups | None = None) -> None:
+                 optimizer: Any = None, lr_scheduler: Any = None, groups: ParamGroups | None = None,
+                 ds_config: dict | None = None) -> None:
         super().__init__()
         self.module = module
-        self.config = config = config.with_world(world.world_size)
+        self.config = ds_config if ds_config is not None else {}
+        self.train_config = config = config.with_world(world.world_size)
         self.job_world = self.world = world
         self.policy = policy = ShardingPolicy.from_config(config)
         check_same_config(world, config)
@@ -117,10 +133,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"zpp.initialize: parameter {name} has dtype {p.dtype}; "
                                 f"expected one of {_PARAM_DTYPES}")
-        managed = [n for n, p in module.named_parameters() if access.owned(p) and not zinit.is_loose(p)]
-        if managed:
-            raise ValueError(f"zpp.initialize: parameters {managed[:5]} are partitioned by another zpp engine; "
-                             "call that engine's close() first (it restores the full parameters)")
+        self._close_earlier_engines(module)
         self._broadcast_buffers()
         if config.zpp.check_parameters:  # (zpp.zero.Init's loose shards have no replicas to compare)
             synced = check_same_parameters(world, [(n, p) for n, p in module.named_parameters()
@@ -143,6 +156,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._prefetch = Prefetcher(self.units, bucket_numel=config.zero.prefetch_bucket_size,
                                     enabled=policy.shard_parameters and config.zpp.prefetch, world=world)
         self.hooks = EngineHooks(module, plan, policy=policy, prefetcher=self._prefetch)
+        self.hooks.close_engine = self.close  # the registry keeps this engine until it is closed
         self.hooks.install()
         try:
             self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
@@ -156,6 +170,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
 
             checkpointing.configure(None, deepspeed_config=config)
         self.training_dataloader = None
+        self._boundary: bool | None = None  # see [Note: the accumulation boundary] in deepspeed_methods
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -166,6 +181,23 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         self._mirror_overflow(False)
 
     # ------------------------------------------------------------------ construction
+    def _close_earlier_engines(self, module: torch.nn.Module) -> None:
+        """See [Note: a module initialized again]."""
+        earlier = {}
+        for p in module.parameters():
+            owner = access.owner_of(p) if not zinit.is_loose(p) else None
+            if owner is not None:
+                earlier[id(owner)] = owner
+        for owner in earlier.values():
+            closer = getattr(owner, "close_engine", None)
+            if closer is None:  # zpp.zero.Init's owner keeps only loose shards, skipped above
+                raise ValueError("zpp.initialize: the module's parameters are held by another zpp owner "
+                                 f"({type(owner).__name__}); close it first")
+            closer()
+            if self.job_world.rank == 0:
+                log.info("zpp.initialize: the module was wrapped by an earlier engine; that engine is closed "
+                         "(hooks removed, sharded weights gathered back) and this one takes the parameters")
+
     def _make_unit(self, index: int, named: list[tuple[str, torch.nn.Parameter]], group: int,
                    persistent: bool) -> Unit:
         return Unit(index, [n for n, _ in named], [p for _, p in named], group=group, comms=self.comms,
@@ -173,7 +205,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
 
     def _topology(self):
         """The world's node structure when a collective needs it (hpZ, qgZ), else None."""
-        zero = self.config.zero
+        zero = self.train_config.zero
         if not (self.policy.secondary_degree > 1 or (self.policy.shard_parameters and zero.quantized_gradients)):
             return None
         from zpp.comm.topology import topology_of
@@ -199,23 +231,28 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def forward(self, *args, **kwargs):
         """The module's forward; with ``fp16.auto_cast``, floating-point tensors in the
         arguments (also inside lists, tuples and dicts) are cast to fp16 first, as DeepSpeed's."""
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+        if self.train_config.fp16.enabled and self.train_config.fp16.auto_cast:
             args, kwargs = to_half(args), to_half(kwargs)
         return self.module(*args, **kwargs)
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.{what}(): this engine was built without an optimizer (for evaluation); "
+                               "pass optimizer= or set config['optimizer'] to train")
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale under
-        fp16, in fp32, as DeepSpeed's); with sharded gradients, flush the units whose
-        gradients did not all arrive (see [Note: stage 3 hooks] in :mod:`zpp.zero.hooks`),
-        then release every gathered unit. Returns ``loss`` as given."""
-        gas = self.config.gradient_accumulation_steps
-        scaled = loss / gas if gas > 1 else loss
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (``scale_wrt_gas=False``: of
+        ``loss``; times the loss scale under fp16, in fp32, as DeepSpeed's); with sharded
+        gradients, flush the units whose gradients did not all arrive (see [Note: stage 3
+        hooks] in :mod:`zpp.zero.hooks`), then release every gathered unit. Returns the loss
+        divided by the accumulation steps (as given with ``scale_wrt_gas=False``), as
+        DeepSpeed 0.19.8 does."""
+        self._require_optimizer("backward")
+        gas = self.train_config.gradient_accumulation_steps
+        returned = scaled = loss / gas if gas > 1 and scale_wrt_gas else loss
         if self.loss_scaler.enabled:
             scaled = scaled.float() * self.loss_scaler.cur_scale
-        scaled.backward()
+        scaled.backward(retain_graph=retain_graph)
         if self.policy.reduce_each_micro_step:
             for u in self.units:
                 if u.trainable and (not u.reduced or u.has_unreduced_grads):
@@ -227,19 +264,23 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             if not u.trainable:  # left out of model_parameters but requires_grad
                 for p in u.params:
                     p.grad = None
-        return loss
+        return returned
 
-    def step(self) -> None:
-        """Count a micro-step; at the accumulation boundary reduce (unless reduced at every
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count a micro-step; at the accumulation boundary (see [Note: the accumulation
+        boundary] in :mod:`zpp.zero.deepspeed_methods`) reduce (unless reduced at every
         micro-step), check the gradients on every rank, then either skip the step (see
         [Note: skipped steps]) or unscale (fp16) and clip them, run the optimizer on the
-        master shards, publish the new weights and advance the schedule."""
+        master shards, publish the new weights and advance the schedule
+        (``lr_scheduler.step(**lr_kwargs)``)."""
+        self._require_optimizer("step")
         self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        if self.config.train_micro_batch_size_per_gpu is not None:
-            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.job_world.world_size
-        if self.micro_steps % self.config.gradient_accumulation_steps:
+        if not boundary:
             return
+        if self.train_config.train_batch_size is not None:
+            self.global_samples += self.train_config.train_batch_size
         trained = [u for u in self.units if u.trainable]
         if not self.policy.reduce_each_micro_step:
             for u in trained:
@@ -249,7 +290,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
             settle()
             for u in trained:
                 u.fold_host_grads()
-        clip, scale = self.config.gradient_clipping, self.loss_scaler.cur_scale
+        clip, scale = self.train_config.gradient_clipping, self.loss_scaler.cur_scale
         check = check_grads(trained, world=self.world, clip=clip, sharded=self.comms.degree > 1,
                             local=self.onebit_views is not None, scale=scale)
         if not check.finite:
@@ -277,7 +318,7 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
         for u in self.units:
             u.flat.invalidate_secondary()
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**(lr_kwargs or {}))
         self._step_applied = True
         self._mirror_overflow(False)
         self._count_step()
@@ -307,14 +348,14 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
                 logger.info(f"{what}; {change.describe()} (skipped so far: {self.skipped_steps})")
             else:
                 logger.warning(f"{what} (skipped so far: {self.skipped_steps})")
-        if self.config.zpp.nonfinite == "raise" and not scaler.dynamic:
+        if self.train_config.zpp.nonfinite == "raise" and not scaler.dynamic:
             raise NonFiniteGradientError(
                 f"zpp: optimizer step {step} (micro-step {self.micro_steps}): gradients hold NaN or Inf on some "
                 "rank; the step was not applied on any rank (zpp.nonfinite='raise'; 'skip' skips such steps)")
 
     def _count_step(self) -> None:
         self.global_steps += 1
-        spp = self.config.steps_per_print
+        spp = self.train_config.steps_per_print
         if spp and self.global_steps % spp == 0 and self.job_world.rank == 0:
             print(f"[zpp] step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
                   f"grad_norm={self.last_grad_norm}", flush=True)
@@ -322,6 +363,8 @@ class ZeroEngine(DeepSpeedAccessors, torch.nn.Module):
     def _mirror_overflow(self, overflow: bool) -> None:
         """DeepSpeed's fp16 optimizer attributes on the engine's optimizer; see [Note: skipped steps]."""
         opt = self.optimizer
+        if opt is None:
+            return
         opt.overflow = overflow
         opt.cur_scale = opt.loss_scale = self.loss_scaler.cur_scale
 

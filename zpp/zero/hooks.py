@@ -84,6 +84,9 @@ class EngineHooks(access.AccessOwner):
         self.learned: list[tuple[str, int]] = []
         self.stack: list[torch.nn.Module] = []
         self.handles: list[RemovableHandle] = []
+        #: ends the engine these hooks belong to (set by the engine; see [Note: a module
+        #: initialized again] in :mod:`zpp.zero.engine`)
+        self.close_engine: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:

@@ -25,6 +25,17 @@ gradients itself (full precision in warm-up, 1-bit compressed afterwards), so:
 * checkpoints: every rank writes its optimizer ``state_dict`` (error-feedback buffers,
   phase and counters, and its own weights, which differ between ranks between 0/1 Adam's
   syncs); see [Note: 1-bit optimizer state] in :mod:`zpp.zero.checkpoint.load`.
+
+[Note: the caller's optimizer]
+A torch optimizer passed to ``initialize`` is the engine's optimizer: the same object, its
+parameter groups (and their options) kept, each group's ``params`` replaced by the fp32
+masters of that group's units and its state cleared (as DeepSpeed's ZeRO optimizers take
+the groups over). So whatever the caller built on it keeps working: a scheduler created on
+it before ``initialize`` (or accelerate's ``prepare``, or Lightning's
+``configure_optimizers``) moves the learning rate the engine steps with, and the optimizer
+is never rebuilt from ``defaults`` (which failed for torch 2.13's AdamW, whose ``defaults``
+hold ``decoupled_weight_decay`` that its constructor does not take). ``initialize`` returns
+this object.
 """
 from __future__ import annotations
 
@@ -58,16 +69,19 @@ class OneBitView(NamedTuple):
 
 
 def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit], world: Transport,
-                    groups: ParamGroups) -> tuple[torch.optim.Optimizer, tuple[OneBitView, ...] | None]:
+                    groups: ParamGroups) -> tuple[torch.optim.Optimizer | None, tuple[OneBitView, ...] | None]:
     """The optimizer over the trainable units' masters, one optimizer group per parameter
     group (with that group's options), and the 1-bit views when the optimizer is a 1-bit
     one from the config (None otherwise).
 
-    ``given``: a torch optimizer (rebuilt with its ``defaults`` over the masters; its groups
-    are ``groups``) or a factory ``param_groups -> optimizer``; only when the config has no
-    ``optimizer``."""
+    ``given``: a torch optimizer (the caller's object itself, its groups pointed at the
+    masters: see [Note: the caller's optimizer]) or a factory ``param_groups ->
+    optimizer``; only when the config has no ``optimizer``. Neither: ``(None, None)``, an
+    engine for evaluation (as DeepSpeed's ``initialize`` without an optimizer)."""
     check_optimizer_args(config, given, groups)
     cfg = config.optimizer
+    if cfg is None and given is None:
+        return None, None
     if cfg is not None and cfg.onebit:
         views = _onebit_views(units)
         by_group = [{"params": [v.param for v in views if v.unit.group == g], **groups.options[g]}
@@ -80,7 +94,7 @@ def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit], worl
     if isinstance(given, FusedOneBitOptimizer):
         built = given
     elif isinstance(given, torch.optim.Optimizer):
-        built = type(given)(param_groups, **given.defaults)
+        built = adopt(given, param_groups)
     elif callable(given):
         built = given(param_groups)
     else:
@@ -94,17 +108,26 @@ def build_optimizer(config: TrainConfig, given: Any, units: Sequence[Unit], worl
     return built, None
 
 
+def adopt(given: torch.optim.Optimizer, param_groups: list[dict]) -> torch.optim.Optimizer:
+    """The caller's optimizer, stepping the masters: see [Note: the caller's optimizer]."""
+    if len(given.param_groups) != len(param_groups):
+        raise ValueError(f"zpp.initialize: the optimizer has {len(given.param_groups)} parameter groups, the "
+                         f"engine built {len(param_groups)}")
+    for group, mine in zip(given.param_groups, param_groups):
+        group["params"] = mine["params"]
+    given.state.clear()
+    return given
+
+
 def check_optimizer_args(config: TrainConfig, given: Any, groups: ParamGroups) -> None:
     """The errors :func:`build_optimizer` would raise about its arguments, raised before the
     engine shards anything."""
     cfg = config.optimizer
     if cfg is not None and given is not None:
         raise ValueError("zpp.initialize: an optimizer is given both in the config and as optimizer=")
-    if cfg is None and given is None:
-        raise ValueError("zpp.initialize: no optimizer: pass optimizer= or set config['optimizer']")
     if cfg is not None:
         _check_group_options(cfg, groups)
-    elif not isinstance(given, torch.optim.Optimizer) and not callable(given):
+    elif given is not None and not isinstance(given, torch.optim.Optimizer) and not callable(given):
         raise TypeError(f"zpp.initialize: optimizer={given!r} must be a torch optimizer or a factory "
                         "taking a list of parameters")
 
@@ -121,9 +144,12 @@ def _check_group_options(cfg: OptimizerConfig, groups: ParamGroups) -> None:
                              f"optimizers take (optimizer.type={cfg.type!r})")
 
 
-def build_lr_scheduler(config: TrainConfig, given: Any, optimizer: torch.optim.Optimizer) -> Any:
+def build_lr_scheduler(config: TrainConfig, given: Any, optimizer: torch.optim.Optimizer | None) -> Any:
     """The schedule: the config's ``scheduler``, else ``given`` (an object, or a factory
-    ``optimizer -> scheduler``), else None."""
+    ``optimizer -> scheduler``), else None. None without an optimizer (an evaluation
+    engine; DeepSpeed builds none either)."""
+    if optimizer is None:
+        return None
     if config.scheduler is not None:
         if given is not None:
             raise ValueError("zpp.initialize: a scheduler is given both in the config and as lr_scheduler")

@@ -39,6 +39,11 @@ class ParamGroups:
         return cls({}, ({},), everything=True)
 
     @classmethod
+    def none(cls) -> ParamGroups:
+        """Nothing is trained: an engine for evaluation (no optimizer)."""
+        return cls({}, ())
+
+    @classmethod
     def of(cls, model_parameters: Iterable | None) -> ParamGroups:
         """From ``model_parameters`` as DeepSpeed takes it (None: every parameter)."""
         if model_parameters is None:

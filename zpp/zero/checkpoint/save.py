@@ -298,7 +298,7 @@ def _write_manifest(engine, staging: Path, tag: str, save_id: str, files: dict[s
         "format": FORMAT, "tag": tag, "save_id": save_id, "world_size": engine.job_world.world_size,
         "replicas": engine.outer.replicas if engine.outer is not None else 1,
         "replica_ranks": engine.world.world_size,
-        "stage": engine.config.zero.stage, "degree": engine.comms.degree, "precision": engine.config.precision,
+        "stage": engine.train_config.zero.stage, "degree": engine.comms.degree, "precision": engine.train_config.precision,
         **{c: int(getattr(engine, c)) for c in COUNTERS if getattr(engine, c, None) is not None},
         "optimizer": type(engine.optimizer).__name__,
         "scheduler": type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else None,

@@ -41,7 +41,7 @@ def node_world(world: Transport, config: TrainConfig) -> Transport:
 def build_outer(engine) -> OuterSync | None:
     """The engine's :class:`OuterSync` (None without ``zpp.outer``), over its units and the
     inter-node ranks of its job world."""
-    cfg = engine.config.zpp.outer
+    cfg = engine.train_config.zpp.outer
     if cfg is None:
         return None
     topo = topology_of(engine.job_world)
