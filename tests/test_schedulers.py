@@ -186,8 +186,14 @@ def engine_sequence(t, case, steps=STEPS):
     return seen
 
 
+def engine_sequences(t, steps=STEPS):
+    """{case name: engine_sequence} for every case (a world function; perf/ds_schedules_check.py
+    runs it too)."""
+    return {case[0]: engine_sequence(t, case, steps) for case in CASES}
+
+
 def _engines(t):
-    out = {case[0]: engine_sequence(t, case) for case in CASES}
+    out = engine_sequences(t)
     # resume: the schedule's state from mid-warm-up into a fresh engine continues the sequence
     case = CASES[0]
     torch.manual_seed(0)
