@@ -58,10 +58,24 @@ CASES = [
 ]
 ADAM_BETAS = (0.9, 0.999)  # the optimizer's own betas (torch's AdamW defaults)
 #: Read from DeepSpeed 0.19.8 (engine.get_lr() and the group's betas before each step; see the
-#: module docstring): the first steps of some cases.
+#: module docstring): the first steps of some cases, lr or (lr, first beta).
 DEEPSPEED_MEASURED = {
     "WarmupLR-log": [0.001, 0.001, 0.0048760890226605385, 0.007143455750373869, 0.008752178045321076,
                      0.010000000000000002, 0.010000000000000002],
+    "WarmupLR-resumed-iteration": [0.004, 0.006989700043360187, 0.007781512503836435, 0.008450980400142567],
+    "WarmupDecayLR-log": [0.0001, 0.0001, 0.0019955787554492535],
+    "WarmupCosineLR-log": [0.0, 0.001, 0.0048760890226605385, 0.007143455750373868, 0.008752178045321076, 0.01,
+                           0.009896201103485576, 0.009589340923802354],
+    "OneCycle-momentum-decay": list(zip(
+        [0.001, 0.002800000000000002, 0.0046, 0.006400000000000001, 0.008199999999999999, 0.010000000000000002,
+         0.008199999999999999, 0.006400000000000001, 0.0046, 0.002800000000000002, 0.001, 0.0008571428571428571,
+         0.00075, 0.0006666666666666666],
+        [0.8, 0.88, 0.8600000000000001, 0.8400000000000001, 0.8200000000000001, 0.8, 0.8200000000000001,
+         0.8400000000000001, 0.8600000000000001, 0.88, 0.9, 0.9030000000000001, 0.9059999999999999, 0.909])),
+    "OneCycle-stairs": [0.002, 0.002, 0.006500000000000001, 0.006500000000000001, 0.011000000000000001,
+                        0.011000000000000001, 0.015500000000000002, 0.015500000000000002, 0.020000000000000004,
+                        0.011000000000000001, 0.011000000000000001, 0.002],
+    "LRRangeTest-continuous": [0.001, 0.0014, 0.0018000000000000002, 0.0022, 0.0026000000000000003],
 }
 
 
@@ -225,9 +239,12 @@ def _close(got, want):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_engine_runs_deepspeeds_sequence(engines, case):
     _close(engines[case[0]], expected(case))
-    measured = DEEPSPEED_MEASURED.get(case[0])
-    if measured:
-        assert [lr for lr, _ in engines[case[0]][:len(measured)]] == pytest.approx(measured, abs=TOL, rel=0)
+    measured = DEEPSPEED_MEASURED.get(case[0], [])
+    got = engines[case[0]][:len(measured)]
+    if measured and isinstance(measured[0], tuple):
+        _close(got, measured)
+    else:
+        assert [lr for lr, _ in got] == pytest.approx(measured, abs=TOL, rel=0)
 
 
 def test_warmup_min_lr_runs_two_steps(engines):

@@ -10,7 +10,8 @@ the default) or ``t / W`` ("linear") while ``t < W``, then 1. ``warmup_max_lr`` 
 each group's own lr.
 
 ``WarmupDecayLR``: the same warm-up (``warmup_max_lr`` defaults to 0.001), then
-``gamma = max(0, (total_num_steps - t) / max(1, total_num_steps - W))``.
+``gamma = max(0, (total_num_steps - t) / max(1, total_num_steps - W))``, down to
+``warmup_min_lr`` at ``total_num_steps``.
 
 ``WarmupCosineLR``: each group's lr at construction times a ratio: the warm-up gamma mapped
 onto ``[warmup_min_ratio, 1]``, then ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi *
@@ -107,7 +108,8 @@ class WarmupLR(_Warmup):
 
 
 class WarmupDecayLR(WarmupLR):
-    """:class:`WarmupLR`, then linear decay to 0 at ``total_num_steps``."""
+    """:class:`WarmupLR`, then linear decay back to ``warmup_min_lr`` (gamma 0) at
+    ``total_num_steps``."""
 
     def __init__(self, optimizer: Any, total_num_steps: int, warmup_min_lr: Any = 0.0, warmup_max_lr: Any = 0.001,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
