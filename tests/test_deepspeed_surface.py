@@ -214,9 +214,8 @@ def test_runtime_config_constants():
     from zpp.runtime.lr_schedules import VALID_LR_SCHEDULES, OneCycle, WarmupLR
 
     assert WarmupLR is importlib.import_module("zpp.zero.schedulers").WarmupLR
-    assert VALID_LR_SCHEDULES == ["WarmupLR", "WarmupDecayLR"]
-    with pytest.raises(NotImplementedError, match="OneCycle.*WarmupLR"):
-        OneCycle(None)
+    assert OneCycle is importlib.import_module("zpp.zero.onecycle").OneCycle
+    assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 
 
 # ---------------------------------------------------------------------- ops.adam

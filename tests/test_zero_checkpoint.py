@@ -104,8 +104,13 @@ def _reshard(t, root):
 
 def _lr(step):
     """_cfg's WarmupDecayLR written out (DeepSpeed's formula): log warm-up over 3 steps to
-    5e-3, then linear decay to 0 at step 20."""
-    return 5e-3 * (math.log(step + 1) / math.log(3) if step < 3 else (20 - step) / 17)
+    5e-3, then linear decay to 0 at step 20; optimizer step ``step`` runs at iteration
+    ``step - 1`` (0 before the first; see [Note: which lr a step uses] in
+    zpp/zero/schedule_base.py)."""
+    t = step - 1
+    if t < 0:
+        return 0.0
+    return 5e-3 * (math.log(t + 1) / math.log(3) if t < 3 else (20 - t) / 17)
 
 
 def _reference_continuation(root, name, world):

@@ -316,10 +316,12 @@ CONV_WARMUP = CONV_STEPS // 10
 
 def _scheduled_lr(lr, step):
     """DeepSpeed's WarmupDecayLR with linear warm-up from 0, written out: the lr of step
-    ``step`` (from 0)."""
-    if step < CONV_WARMUP:
-        return lr * step / CONV_WARMUP
-    return lr * max(0.0, (CONV_STEPS - step) / (CONV_STEPS - CONV_WARMUP))
+    ``step`` (from 0), the schedule at iteration ``step - 1`` (0 before the first; see [Note:
+    which lr a step uses] in zpp/zero/schedule_base.py)."""
+    t = step - 1
+    if t < CONV_WARMUP:
+        return lr * max(t, 0) / CONV_WARMUP
+    return lr * max(0.0, (CONV_STEPS - t) / (CONV_STEPS - CONV_WARMUP))
 
 
 def _train_gpt_lamb_reference(t, corpus, evals, lr):

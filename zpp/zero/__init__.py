@@ -25,18 +25,21 @@ from zpp.zero.gathered import GatheredParameters
 from zpp.zero.init import Init
 from zpp.zero.loss_scale import LossScaler
 from zpp.zero.policy import ShardingPolicy
-from zpp.zero.schedulers import WarmupDecayLR, WarmupLR
+from zpp.zero.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = [
     "ActivationCheckpointingConfig",
     "Fp16Config",
     "LossScaler",
+    "LRRangeTest",
     "NonFiniteGradientError",
+    "OneCycle",
     "OffloadConfig",
     "OptimizerConfig",
     "SchedulerConfig",
     "ShardingPolicy",
     "TrainConfig",
+    "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
     "ZeroConfig",

@@ -23,7 +23,7 @@ from zpp.zero.config import (
 )
 
 from zpp.zero.deepspeed_keys import (
-    KEYS, OFFLOAD_SECTIONS as _OFF, REFUSED_OPTIMIZERS, REFUSED_SCHEDULERS, TOP_ALIASES, WHERE, ZERO as _ZERO,
+    KEYS, OFFLOAD_SECTIONS as _OFF, REFUSED_OPTIMIZERS, TOP_ALIASES, WHERE, ZERO as _ZERO,
     ZERO_ALIASES, DsKey, keys_markdown,
 )
 
@@ -299,11 +299,10 @@ def _scheduler(sch: Mapping[str, Any]) -> SchedulerConfig:
     if "type" not in sch:
         raise ValueError(f"{WHERE}: scheduler has no \"type\"; give one of {list(SCHEDULERS)} or drop the section")
     kind = sch["type"]
-    if kind in REFUSED_SCHEDULERS:
-        raise NotImplementedError(f"{WHERE}: zpp does not implement scheduler.type={kind!r}; zpp has "
-                                  f"{list(SCHEDULERS)}, or pass any scheduler to initialize(lr_scheduler=...)")
     if kind not in SCHEDULERS:
-        raise ValueError(f"{WHERE}: scheduler.type={kind!r} must be one of {list(SCHEDULERS)}")
+        raise ValueError(f"{WHERE}: scheduler.type={kind!r} must be one of {list(SCHEDULERS)} (DeepSpeed also "
+                         "takes torch.optim.lr_scheduler's names; give zpp such a scheduler as "
+                         "initialize(lr_scheduler=...))")
     params = dict(sch.get("params") or {})
     for k, v in params.items():
         if k in SCHEDULER_PARAM_CHECKS:

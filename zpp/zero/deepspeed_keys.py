@@ -43,7 +43,7 @@ from zpp.zero.checks import (
 )
 from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, OuterConfig, ZppConfig
 
-__all__ = ["KEYS", "OFFLOAD_SECTIONS", "REFUSED_OPTIMIZERS", "REFUSED_SCHEDULERS", "STATUSES", "TOP_ALIASES", "WHERE",
+__all__ = ["KEYS", "OFFLOAD_SECTIONS", "REFUSED_OPTIMIZERS", "STATUSES", "TOP_ALIASES", "WHERE",
            "ZERO", "ZERO_ALIASES", "DsKey", "keys_markdown"]
 
 WHERE = "DeepSpeed config"
@@ -180,9 +180,11 @@ _KEY_LIST: list[DsKey] = [
             _is(0, 0.0), "0"),
     _accept("optimizer.legacy_fusion", "zpp has one Adam", _bool),
     _impl("scheduler", "TrainConfig.scheduler", _dict, nullable=True, section=True),
-    _impl("scheduler.type", "SchedulerConfig.type: WarmupLR, WarmupDecayLR (OneCycle, LRRangeTest, "
-          "WarmupCosineLR refused)", _str),
-    _impl("scheduler.params", "SchedulerConfig.params, type-checked", _dict, nullable=True),
+    _impl("scheduler.type", "SchedulerConfig.type: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, "
+          "LRRangeTest, DeepSpeed's lr sequences step for step (torch.optim.lr_scheduler names: pass the "
+          "scheduler as lr_scheduler=)", _str),
+    _impl("scheduler.params", "SchedulerConfig.params: each schedule's DeepSpeed names, type-checked; an unknown "
+          "one is refused", _dict, nullable=True),
     _impl("fp16", "TrainConfig.fp16 (Fp16Config)", _dict, section=True),
     *[_impl(f"fp16.{f.name}", f"Fp16Config.{f.name}", chk) for f, chk in zip(
         dataclasses.fields(Fp16Config),
@@ -354,7 +356,6 @@ ZERO_ALIASES = {
 #: Optimizer names DeepSpeed knows that zpp does not build (lower case), and torch.optim's.
 REFUSED_OPTIMIZERS = ("lamb", "adagrad", "lion", "muadam", "muadamw", "musgd", "muon", "adadelta", "adamax",
                       "asgd", "lbfgs", "nadam", "radam", "rmsprop", "rprop", "sparseadam")
-REFUSED_SCHEDULERS = ("OneCycle", "LRRangeTest", "WarmupCosineLR")
 
 
 # ---------------------------------------------------------------------- README tables

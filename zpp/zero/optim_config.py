@@ -11,7 +11,8 @@ from typing import Any, Literal
 from zpp.zero.checks import check_bool, check_choice, check_int, check_number, check_pair, check_str, fail
 
 __all__ = ["ONEBIT_OPTIMIZERS", "OPTIMIZERS", "OPTIMIZER_PARAMS", "OPTIMIZER_PARAM_CHECKS", "SCHEDULERS",
-           "SCHEDULER_PARAM_CHECKS", "OptimizerConfig", "SchedulerConfig"]
+           "SCHEDULER_PARAMS", "SCHEDULER_PARAM_CHECKS", "SCHEDULER_REQUIRED", "OptimizerConfig",
+           "SchedulerConfig"]
 
 #: The 1-bit optimizers of :mod:`zpp.optim` (lower-case ``type`` -> their class name there).
 ONEBIT_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
@@ -50,12 +51,60 @@ OPTIMIZER_PARAM_CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
     "max_coeff": _num(lo=0, lo_open=True), "min_coeff": _num(lo=0), "coeff_beta": _num(lo=0, hi=1, hi_open=True),
     "factor_max": _num(lo=0, lo_open=True), "factor_min": _num(lo=0), "factor_threshold": _num(lo=0),
 }
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
-#: The type of every scheduler parameter.
+def _lrs(lo=0):
+    """A number, or a list of them, one per optimizer parameter group."""
+    def check(w, n, v):
+        values = v if isinstance(v, (list, tuple)) else [v]
+        try:
+            for x in values:
+                check_number(w, n, x, lo=lo)
+        except ValueError:
+            raise fail(w, n, v, f"a finite number >= {lo} or a non-empty list of them (one per parameter "
+                       "group)") from None
+        if not values:
+            raise fail(w, n, v, "a number or a non-empty list of them (one per parameter group)")
+        return list(v) if isinstance(v, (list, tuple)) else v
+    return check
+
+
+def _optional(check):
+    return lambda w, n, v: None if v is None else check(w, n, v)
+
+
+#: DeepSpeed's schedules (deepspeed.runtime.lr_schedules) -> their parameters; see
+#: :mod:`zpp.zero.schedulers`.
+SCHEDULER_PARAMS: dict[str, frozenset[str]] = {
+    "WarmupLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                           "last_batch_iteration"}),
+    "WarmupDecayLR": frozenset({"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                "warmup_type", "last_batch_iteration"}),
+    "WarmupCosineLR": frozenset({"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                                 "warmup_type", "last_batch_iteration"}),
+    "OneCycle": frozenset({"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+                           "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
+                           "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate",
+                           "last_batch_iteration"}),
+    "LRRangeTest": frozenset({"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                              "lr_range_test_staircase", "last_batch_iteration"}),
+}
+SCHEDULERS = tuple(SCHEDULER_PARAMS)
+#: The parameters a schedule has no default for.
+SCHEDULER_REQUIRED: dict[str, tuple[str, ...]] = {
+    "WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
+#: The type of every scheduler parameter. ``warmup_max_lr`` null: each group's own lr.
 SCHEDULER_PARAM_CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
-    "warmup_min_lr": _num(lo=0), "warmup_max_lr": _num(lo=0), "warmup_num_steps": _integer(lo=1),
+    "warmup_min_lr": _lrs(), "warmup_max_lr": _optional(_lrs()), "warmup_num_steps": _integer(lo=1),
     "warmup_type": lambda w, n, v: check_choice(w, n, v, ("log", "linear")),
     "last_batch_iteration": _integer(lo=-1), "total_num_steps": _integer(lo=1),
+    "warmup_min_ratio": _num(lo=0), "cos_min_ratio": _num(lo=0),
+    "cycle_min_lr": _lrs(), "cycle_max_lr": _lrs(), "decay_lr_rate": _num(),
+    "cycle_first_step_size": _num(lo=0, lo_open=True), "cycle_second_step_size": _optional(_num(lo=0)),
+    "cycle_first_stair_count": _integer(), "cycle_second_stair_count": _optional(_integer()),
+    "decay_step_size": _num(lo=0), "cycle_momentum": check_bool, "cycle_min_mom": _lrs(),
+    "cycle_max_mom": _lrs(), "decay_mom_rate": _num(),
+    "lr_range_test_min_lr": _lrs(), "lr_range_test_step_size": _integer(lo=1), "lr_range_test_step_rate": _num(),
+    "lr_range_test_staircase": check_bool,
 }
 
 
@@ -95,25 +144,24 @@ class OptimizerConfig:
 class SchedulerConfig:
     """A learning-rate schedule with DeepSpeed's names and parameters."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     """Schedule name."""
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type ("log"/"linear"),
-    total_num_steps (WarmupDecayLR), last_batch_iteration; each type-checked by
-    ``SCHEDULER_PARAM_CHECKS``."""
+    """The schedule's keyword arguments, DeepSpeed's names (``SCHEDULER_PARAMS``), each
+    type-checked by ``SCHEDULER_PARAM_CHECKS``; ``SCHEDULER_REQUIRED`` lists those without a
+    default."""
 
     def __post_init__(self) -> None:
         if self.type not in SCHEDULERS:
             raise ValueError(f"SchedulerConfig: type={self.type!r} must be one of {SCHEDULERS}")
         if not isinstance(self.params, Mapping):
             raise fail("SchedulerConfig", "params", self.params, "a dict")
-        allowed = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}
-        if self.type == "WarmupDecayLR":
-            allowed.add("total_num_steps")
-            if "total_num_steps" not in self.params:
-                raise ValueError("SchedulerConfig: WarmupDecayLR needs params.total_num_steps")
+        allowed = SCHEDULER_PARAMS[self.type]
         bad = sorted(set(self.params) - allowed)
         if bad:
             raise ValueError(f"SchedulerConfig: type={self.type!r} has unknown params {bad}; allowed {sorted(allowed)}")
+        missing = [k for k in SCHEDULER_REQUIRED.get(self.type, ()) if k not in self.params]
+        if missing:
+            raise ValueError(f"SchedulerConfig: {self.type} needs params {missing}")
         params = {k: SCHEDULER_PARAM_CHECKS[k]("SchedulerConfig", f"params.{k}", v) for k, v in self.params.items()}
         object.__setattr__(self, "params", params)
