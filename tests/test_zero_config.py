@@ -333,7 +333,7 @@ REFUSED_SAMPLES = {
     "checkpoint.parallel_write": {"pipeline_stage": True}, "checkpoint.writer": {"type": "fast"},
     "data_types.grad_accum_dtype": "bf16", "sequence_parallel_size": 2,
     **{k: {"enabled": True} for k in (
-        "amp", "torch_autocast", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+        "amp", "torch_autocast", "flops_profiler", "comms_logger",
         "sparse_attention", "pipeline", "compression_training", "data_efficiency", "curriculum_learning",
         "elasticity", "autotuning", "eigenvalue", "progressive_layer_drop", "quantize_training", "nebula",
         "hybrid_engine", "compile", "tensor_parallel", "weight_quantization", "timers")},
@@ -420,6 +420,12 @@ def test_implemented_keys_change_the_config():
             "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
             "synchronize_checkpoint_boundary", "profile")},
         "activation_checkpointing.number_checkpoints": 4,
+        **{f"{sec}.{k}": v for sec in ("tensorboard", "csv_monitor") for k, v in (
+            ("enabled", True), ("output_path", "runs"), ("job_name", "j1"))},
+        "wandb.enabled": True, "wandb.group": "g", "wandb.team": "t", "wandb.project": "p",
+        "comet.enabled": True, "comet.samples_log_interval": 10, "comet.project": "p", "comet.workspace": "w",
+        "comet.api_key": "k", "comet.experiment_name": "n", "comet.experiment_key": "x" * 32,
+        "comet.online": False, "comet.mode": "create",
     }
     leaves = {k.path for k in dsc.KEYS.values() if k.status == "implemented" and not k.section
               and k.path not in ("optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params",

@@ -50,7 +50,9 @@ MODULES: dict[str, str] = {
                     "its 1-bit optimizers (runtime.fp16.onebit) are zpp.optim.OneBitAdam / ZeroOneAdam / OneBitLamb, "
                     "or optimizer.type in the config",
     "profiling": "the flops profiler is not in zpp; use torch.profiler",
-    "monitor": "DeepSpeed's monitors are not in zpp; log from the script",
+    "monitor": "DeepSpeed's monitor classes are not importable from zpp; the config's tensorboard, csv_monitor, "
+               "wandb and comet sections work (zpp.zero.monitor), and engine.monitor.write_events(events) logs "
+               "a script's own events",
     "sequence": "sequence parallelism is not in zpp",
     "autotuning": "DeepSpeed's autotuner is not in zpp; `zpp tune` tunes the collectives",
     "elasticity": "elastic training is not in zpp; its checkpoints load at any world size",

@@ -2,8 +2,9 @@
 
 One source of truth: :class:`TrainConfig` (with :class:`ZeroConfig`, :class:`ZppConfig`,
 :class:`OuterConfig` (in :mod:`zpp.zero.outer_config`), :class:`OptimizerConfig`,
-:class:`SchedulerConfig` (in :mod:`zpp.zero.optim_config`), :class:`Fp16Config`,
-:class:`OffloadConfig`, :class:`ActivationCheckpointingConfig`), frozen and validated at
+:class:`SchedulerConfig` (in :mod:`zpp.zero.optim_config`), :class:`MonitorConfig` (in
+:mod:`zpp.zero.monitor`), :class:`Fp16Config`, :class:`OffloadConfig`,
+:class:`ActivationCheckpointingConfig`), frozen and validated at
 construction (every field type-checked; errors name the field and the value, see
 [Note: strict types] in :mod:`zpp.zero.checks`). A DeepSpeed-style dict or JSON file is
 translated into it once, at the edge, by :func:`zpp.zero.deepspeed_config.from_deepspeed`;
@@ -41,6 +42,7 @@ from zpp.zero.optim_config import (  # noqa: F401 - re-exported: part of the typ
     OptimizerConfig,
     SchedulerConfig,
 )
+from zpp.zero.monitor import MonitorConfig  # noqa: F401 - re-exported: part of the typed config
 from zpp.zero.outer_config import OUTER_COMPRESSIONS, OUTER_METHODS, OuterConfig  # noqa: F401 - re-exported
 
 STAGES = (0, 1, 2, 3)
@@ -324,6 +326,9 @@ class TrainConfig:
     activation_checkpointing: ActivationCheckpointingConfig = dataclasses.field(
         default_factory=ActivationCheckpointingConfig)
     """DeepSpeed's activation checkpointing options (Default: all off)."""
+    monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
+    """DeepSpeed's monitors: the tensorboard, csv_monitor, wandb and comet sections
+    (Default: all off)."""
     zpp: ZppConfig = dataclasses.field(default_factory=ZppConfig)
     """zpp's own knobs."""
 
@@ -339,7 +344,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32', 'bf16' or 'fp16'")
         check_int(w, "steps_per_print", self.steps_per_print, lo=0)
         for name, cls in (("fp16", Fp16Config), ("zero", ZeroConfig), ("zpp", ZppConfig),
-                          ("activation_checkpointing", ActivationCheckpointingConfig)):
+                          ("activation_checkpointing", ActivationCheckpointingConfig), ("monitor", MonitorConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise fail(w, name, getattr(self, name), f"a {cls.__name__}")
         for name, cls in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig)):

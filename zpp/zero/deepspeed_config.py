@@ -18,13 +18,13 @@ from zpp.utils.logging import log_dist_once
 from zpp.zero.checks import check_mapping, from_section
 from zpp.zero.config import (
     OPTIMIZER_PARAM_CHECKS, OPTIMIZER_PARAMS, SCHEDULER_PARAM_CHECKS, SCHEDULERS,
-    ActivationCheckpointingConfig, Fp16Config, OffloadConfig, OptimizerConfig, SchedulerConfig, TrainConfig,
-    ZeroConfig, ZppConfig,
+    ActivationCheckpointingConfig, Fp16Config, MonitorConfig, OffloadConfig, OptimizerConfig, SchedulerConfig,
+    TrainConfig, ZeroConfig, ZppConfig,
 )
 
 from zpp.zero.deepspeed_keys import (
-    KEYS, OFFLOAD_SECTIONS as _OFF, REFUSED_OPTIMIZERS, TOP_ALIASES, WHERE, ZERO as _ZERO,
-    ZERO_ALIASES, DsKey, keys_markdown,
+    KEYS, MONITOR_SECTIONS, OFFLOAD_SECTIONS as _OFF, REFUSED_OPTIMIZERS, TOP_ALIASES, WHERE,
+    ZERO as _ZERO, ZERO_ALIASES, DsKey, keys_markdown,
 )
 
 __all__ = ["KEYS", "DsKey", "from_args", "from_deepspeed", "keys_markdown", "translate"]
@@ -142,6 +142,7 @@ def translate(config: Mapping[str, Any] | str | os.PathLike) -> tuple[TrainConfi
     kw["activation_checkpointing"] = ActivationCheckpointingConfig(
         **{k: KEYS[f"activation_checkpointing.{k}"].check(f"activation_checkpointing.{k}", v)
            if v is not None else None for k, v in ac.items()})
+    kw["monitor"] = _monitor(top)
     kw["zpp"] = _zpp(top.get("zpp", {}))
     return TrainConfig(**kw), notes
 
@@ -308,6 +309,12 @@ def _scheduler(sch: Mapping[str, Any]) -> SchedulerConfig:
         if k in SCHEDULER_PARAM_CHECKS:
             params[k] = SCHEDULER_PARAM_CHECKS[k](WHERE, f"scheduler.params.{k}", v)
     return SchedulerConfig(type=kind, params=params)
+
+
+def _monitor(top: Mapping[str, Any]) -> MonitorConfig:
+    return MonitorConfig(**{
+        name: cls(**{k: KEYS[f"{name}.{k}"].check(f"{name}.{k}", v) for k, v in top[name].items() if v is not None})
+        for name, cls in MONITOR_SECTIONS.items() if name in top})
 
 
 def _zpp(sec: Mapping[str, Any]) -> ZppConfig:

@@ -42,9 +42,10 @@ from zpp.zero.checks import (
     check_bool, check_choice, check_int, check_mapping, check_number, check_str, fail,
 )
 from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, OuterConfig, ZppConfig
+from zpp.zero.monitor import FIELD_CHECKS as _MONITOR_CHECKS, SECTIONS as MONITOR_SECTIONS, WRITERS as _WRITERS
 
-__all__ = ["KEYS", "OFFLOAD_SECTIONS", "REFUSED_OPTIMIZERS", "STATUSES", "TOP_ALIASES", "WHERE",
-           "ZERO", "ZERO_ALIASES", "DsKey", "keys_markdown"]
+__all__ = ["KEYS", "MONITOR_SECTIONS", "OFFLOAD_SECTIONS", "REFUSED_OPTIMIZERS", "STATUSES",
+           "TOP_ALIASES", "WHERE", "ZERO", "ZERO_ALIASES", "DsKey", "keys_markdown"]
 
 WHERE = "DeepSpeed config"
 STATUSES = ("implemented", "accepted", "refused")
@@ -127,6 +128,18 @@ def _section_off(v) -> bool:
     """A refused section asks for nothing: ``enabled`` false, or no ``enabled`` and every
     value false or empty."""
     return not v["enabled"] if "enabled" in v else not any(v.values())
+
+
+def _monitor_check(name):
+    if name == "samples_log_interval":
+        return _int(lo=0)
+    return lambda p, v: _MONITOR_CHECKS[name](WHERE, p, v)
+
+
+def _monitor_note(section):
+    pkg = _WRITERS[section].package
+    need = f"; needs the {pkg} package, else one warning and no {section} logs" if pkg else "; no package needed"
+    return f"TrainConfig.monitor.{section} ({MONITOR_SECTIONS[section].__name__}, zpp.zero.monitor){need}"
 
 
 def _is(*values):
@@ -278,9 +291,14 @@ _KEY_LIST: list[DsKey] = [
             _int(lo=1) if f.name == "number_checkpoints" else _bool, nullable=f.name == "number_checkpoints")
       for f in dataclasses.fields(ActivationCheckpointingConfig)],
     _impl("zpp", "TrainConfig.zpp (ZppConfig): zpp's own keys", _dict, section=True),
+    # --- monitors (zpp.zero.monitor)
+    *[x for sec, cls in MONITOR_SECTIONS.items() for x in (
+        _impl(sec, _monitor_note(sec), _dict, section=True),
+        *[_impl(f"{sec}.{f.name}", f"{cls.__name__}.{f.name}", _monitor_check(f.name), nullable=f.default is None)
+          for f in dataclasses.fields(cls)])],
     # --- top level: speed, memory and diagnostics knobs
-    _accept("wall_clock_breakdown", "no timers; the transport counts bytes per op and level "
-            "(engine.world.counters)", _bool),
+    _accept("wall_clock_breakdown", "no timers (nor the monitors' elapsed_time_ms events); the transport counts "
+            "bytes per op and level (engine.world.counters)", _bool),
     _accept("memory_breakdown", "no memory report; see zpp.accelerator.get_accelerator().memory_allocated()",
             _bool),
     _accept("prescale_gradients", "zpp computes the mean over ranks in its own reduction", _bool),
@@ -311,10 +329,6 @@ _KEY_LIST: list[DsKey] = [
     _refuse_section("amp", "Apex AMP; use bf16"),
     _refuse_section("torch_autocast", "DeepSpeed's autocast; use bf16 or torch.autocast in the script"),
     _refuse_section("flops_profiler", "use torch.profiler"),
-    _refuse_section("tensorboard", "log from the script"),
-    _refuse_section("wandb", "log from the script"),
-    _refuse_section("csv_monitor", "log from the script"),
-    _refuse_section("comet", "log from the script"),
     _refuse_section("comms_logger", "the transport counts bytes per op and level (engine.world.counters)"),
     _refuse_section("sparse_attention", "use torch.nn.functional.scaled_dot_product_attention"),
     _refuse_section("pipeline", "pipeline parallelism; zpp is data-parallel (ZeRO 0-3)"),

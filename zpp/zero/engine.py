@@ -72,6 +72,7 @@ from zpp.zero.gradnorm import check_grads, unscale_and_clip
 from zpp.zero.hooks import EngineHooks
 from zpp.zero.loss_scale import LossScaler
 from zpp.zero.memory import model_state_bytes
+from zpp.zero.monitor import MonitorMaster
 from zpp.zero.offload import Offload, settle
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
 from zpp.zero.outer import build_outer, node_world
@@ -179,6 +180,7 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self._step_applied = False
         self._mirror_overflow(False)
+        self.monitor = MonitorMaster(config.monitor, rank=self.job_world.rank)  # see zpp.zero.monitor
 
     # ------------------------------------------------------------------ construction
     def _close_earlier_engines(self, module: torch.nn.Module) -> None:
@@ -322,6 +324,7 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         self._step_applied = True
         self._mirror_overflow(False)
         self._count_step()
+        self.monitor.write_step(self)
 
     def _skip_step(self, trained: list[Unit]) -> None:
         """The step's gradients are not finite on some rank (every rank agrees, see
@@ -348,6 +351,7 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
                 logger.info(f"{what}; {change.describe()} (skipped so far: {self.skipped_steps})")
             else:
                 logger.warning(f"{what} (skipped so far: {self.skipped_steps})")
+        self.monitor.write_step(self)
         if self.train_config.zpp.nonfinite == "raise" and not scaler.dynamic:
             raise NonFiniteGradientError(
                 f"zpp: optimizer step {step} (micro-step {self.micro_steps}): gradients hold NaN or Inf on some "

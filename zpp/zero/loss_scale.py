@@ -86,7 +86,8 @@ class LossScaler:
             return cls()
         if fp16.loss_scale:
             return cls(enabled=True, dynamic=False, cur_scale=float(fp16.loss_scale))
-        return cls(enabled=True, dynamic=True, cur_scale=float(2 ** fp16.initial_scale_power),
+        # an int until the scale first moves, as DeepSpeed's (its monitors write "65536", then "131072.0")
+        return cls(enabled=True, dynamic=True, cur_scale=2 ** fp16.initial_scale_power,
                    scale_window=fp16.loss_scale_window, min_scale=float(fp16.min_loss_scale),
                    delayed_shift=fp16.hysteresis, cur_hysteresis=fp16.hysteresis,
                    consecutive_hysteresis=fp16.consecutive_hysteresis)
