@@ -26,7 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-LOCAL = {"zpp", "tests", "perf", "tools"} | {p.stem for p in (ROOT / "perf").glob("*.py")}
+# our packages, and modules scripts import from their own folder (perf/*.py, tests/frontends/common.py)
+LOCAL = {"zpp", "tests", "perf", "tools"} | {p.stem for d in ("perf", "tests") for p in (ROOT / d).rglob("*.py")}
 
 # import name -> distribution, where they differ
 DISTRIBUTION = {"cupy": "cupy-cuda13x", "pytorch_lightning": "pytorch-lightning", "yaml": "pyyaml"}

@@ -137,6 +137,18 @@ def _misuse(t):
     except RuntimeError as e:
         out["read"] = str(e)
     out["shape_outside"] = tuple(model.emb.weight.shape)  # metadata: harmless, no error
+    out["cpu_noop"] = model.cpu() is model  # a move to where it is (Lightning's end of fit): no read
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # state_dict(): the placeholders, with one warning
+        warnings.simplefilter("always")
+        sd = model.state_dict()
+        model.state_dict()
+    out["placeholder"] = (tuple(sd["emb.weight"].shape), [str(w.message)[:60] for w in caught])
+    try:
+        model.emb.weight.to(torch.float64)  # a real conversion reads the values
+    except RuntimeError as e:
+        out["convert"] = str(e)
     with torch.no_grad():  # evaluation reads everything through forwards
         out["eval"] = float(loss_of(engine(**batch(t.rank, 1))))
     state = engine.consolidated_state_dict()
@@ -162,6 +174,8 @@ def test_reads_outside_forward_and_swapped_modules_are_refused():
         assert any(m.endswith("self_attn") for m in r["learned"]), r["learned"]
         assert "'emb.weight'" in r["read"] and "partitioned" in r["read"] and "GatheredParameters" in r["read"]
         assert r["shape_outside"] == (0,)
+        assert r["cpu_noop"] and "'emb.weight'" in r["convert"], r
+        assert r["placeholder"] == ((0,), ["zpp: state_dict() (or detach) of partitioned parameters outs"]), r
         assert r["eval"] > 0
         assert "blocks.1.self_attn.in_proj_weight" in r["swap"] and "after initialize" in r["swap"]
         assert r["twice"] == (True, True, True)

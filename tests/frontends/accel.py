@@ -21,7 +21,7 @@ p.add_argument("--gas", type=int, default=2)
 p.add_argument("--micro", type=int, default=2)
 p.add_argument("--save-at", type=int, default=0, help="save_state after this many steps (0: no)")
 p.add_argument("--resume", default=None, help="load_state from this folder first")
-p.add_argument("--ckpt", default="ckpt")
+p.add_argument("--dir", default="ckpt", help="the save_state folder")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -65,11 +65,12 @@ for batch in loader:
         step += 1
         lrs.append(scheduler.get_last_lr()[0])
         if step == args.save_at and not args.resume:
-            accelerator.save_state(args.ckpt)
+            accelerator.save_state(args.dir)
 
 model.eval()
 with torch.no_grad():
     eval_losses = [accelerator.gather(model(input_ids=b, labels=b).loss.reshape(1)).mean().item()
                    for b in eval_loader]
-common.write_result(args.out, {"losses": losses, "lrs": lrs, "eval": eval_losses, "steps": step})
+common.write_result(args.out, {"losses": losses, "lrs": lrs, "eval": sum(eval_losses) / len(eval_losses),
+                               "steps": step})
 accelerator.end_training()

@@ -51,7 +51,8 @@ def ds_config(stage: int, *, micro: int | None, gas: int | None, zeropp: bool = 
         zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
     if zeropp:
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
-    cfg = {"gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 1000}
+    cfg = {"gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 1000,
+           "zero_allow_untested_optimizer": True}  # Lightning reads it at stage 3 evaluation
     if micro is not None:
         cfg["train_micro_batch_size_per_gpu"] = micro
     if gas is not None:

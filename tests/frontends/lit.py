@@ -21,7 +21,8 @@ p.add_argument("--zeropp", action="store_true")
 p.add_argument("--steps", type=int, default=20, help="optimizer steps")
 p.add_argument("--gas", type=int, default=2)
 p.add_argument("--micro", type=int, default=2)
-p.add_argument("--save-at", type=int, default=0, help="checkpoint after this many steps (0: no)")
+p.add_argument("--save-at", type=int, default=0, help="checkpoint at the end of each epoch (0: no)")
+p.add_argument("--epoch-steps", type=int, default=10, help="optimizer steps per epoch (the data repeats)")
 p.add_argument("--resume", default=None, help="ckpt_path to resume from")
 p.add_argument("--dir", default="lit_out")
 p.add_argument("--out", required=True)
@@ -31,6 +32,12 @@ import pytorch_lightning as pl  # noqa: E402
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 WORLD = 2
+#: Lightning divides the training step's loss by accumulate_grad_batches on every strategy, and
+#: DeepSpeed's engine divides it by gradient_accumulation_steps again (real DeepSpeed 0.19.8 as
+#: well as zpp, which matches it): on DeepSpeed the gradients are 1/gas of DDP's. Adam hides most
+#: of a uniform scale, not all (eps, the clipping threshold), so the DDP reference (--engine ddp)
+#: divides once more and trains the same numbers.
+SAME_GRADIENTS = True
 
 
 class TinyGPT(pl.LightningModule):
@@ -39,7 +46,10 @@ class TinyGPT(pl.LightningModule):
         self.model = common.tiny_gpt2(0)
 
     def training_step(self, batch, _):
-        return self.model(input_ids=batch, labels=batch).loss
+        loss = self.model(input_ids=batch, labels=batch).loss
+        if args.engine == "ddp":  # see SAME_GRADIENTS
+            loss = loss / args.gas
+        return loss
 
     def validation_step(self, batch, _):
         self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
@@ -55,7 +65,7 @@ class Record(Callback):
         self.losses, self.lrs = [], []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        loss = outputs["loss"].detach().reshape(1)
+        loss = outputs["loss"].detach().reshape(1) * (args.gas if args.engine == "ddp" else 1)  # SAME_GRADIENTS
         self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
         if (batch_idx + 1) % args.gas == 0:
             self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
@@ -67,13 +77,15 @@ if args.engine == "deepspeed":
     from pytorch_lightning.strategies import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy(config=common.ds_config(args.stage, micro=None, gas=None, zeropp=args.zeropp))
-data = torch.utils.data.DataLoader(common.tokens(args.steps * args.gas * args.micro * WORLD), batch_size=args.micro)
+# epochs of --epoch-steps steps: a checkpoint at an epoch's end resumes on the data the uninterrupted run
+# sees next (Lightning restarts an epoch it resumes in the middle of, with a plain DataLoader)
+data = torch.utils.data.DataLoader(common.tokens(args.epoch_steps * args.gas * args.micro * WORLD),
+                                   batch_size=args.micro)
 val = torch.utils.data.DataLoader(common.tokens(4 * WORLD, seed=9), batch_size=2)
 record = Record()
 callbacks = [record]
 if args.save_at:
-    callbacks.append(ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.save_at, save_top_k=-1,
-                                     filename="step{step}"))
+    callbacks.append(ModelCheckpoint(dirpath=args.dir, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True))
 trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=args.steps,
                      accumulate_grad_batches=args.gas, gradient_clip_val=1.0 if args.engine == "ddp" else None,
                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,

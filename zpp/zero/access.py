@@ -17,7 +17,9 @@ here:
   :meth:`AccessOwner.on_access` first, with the kind of access: ``"read"`` (any function
   that uses the values), ``"data"`` (the ``.data`` attribute: a tensor of the values, read or
   written later), ``"shape"`` (``shape``, ``size()``, ``numel()``...). Metadata
-  (``.grad``, ``dtype``, hooks, ``data_ptr``...) passes through. The engine gathers the
+  (``.grad``, ``dtype``, hooks, ``data_ptr``...) passes through, and so does a move that
+  returns the tensor itself (``.cpu()`` on the CPU, ``.to()`` its own dtype and device:
+  ``module.cpu()`` at the end of a Lightning ``fit``). The engine gathers the
   unit (inside a forward or backward) or raises a ``RuntimeError`` naming the parameter
   (outside them; a shape read there just sees the empty tensor), so no computation ever
   sees an empty tensor. ``on_access`` may return a callback run after the function
@@ -45,8 +47,12 @@ _PASSTHROUGH = frozenset({
     "__get__", "__set__", "__delete__", "data_ptr", "stride", "storage_offset", "is_contiguous",
     "element_size", "__hash__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
     "__repr__", "__format__", "get_device", "is_floating_point", "is_complex", "untyped_storage",
+    "_has_compatible_shallow_copy_type",
 })
 _SHAPE = frozenset({"size", "dim", "numel", "nelement", "__len__"})
+#: moves that return the tensor itself when it is where and what they ask already (Lightning
+#: calls ``module.cpu()`` at the end of ``fit``; DeepSpeed's partitioned parameters allow it)
+_MOVES = frozenset({"cpu", "to", "cuda", "float", "half", "bfloat16", "double", "type"})
 _SHAPE_PROPERTIES = frozenset({"shape", "ndim"})
 
 
@@ -130,6 +136,11 @@ def _kind(func) -> str | None:
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
     kind = _kind(func)
+    if kind is not None and getattr(func, "__name__", "") in _MOVES and args:
+        with torch._C.DisableTorchFunctionSubclass():  # a move to where it is already: itself, nothing read
+            out = func(*args, **(kwargs or {}))
+        if out is args[0]:
+            return out
     after = []
     if kind is not None:
         for p in _params_in(args, kwargs):

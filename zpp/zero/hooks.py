@@ -36,10 +36,20 @@
   parameters it was built with: a module created or swapped after initialize would train
   outside the engine, so it is refused.
 Every rank must run the same graph, as with DDP: collectives are issued in hook order.
+
+[Note: state_dict of a partitioned module]
+``module.state_dict()`` detaches every parameter; at stage 3, outside a forward, a
+partitioned parameter is an empty placeholder there. A read of its values raises (see
+:meth:`EngineHooks.on_access`), but ``detach`` alone computes nothing: it passes, returning
+the placeholder, as DeepSpeed's ZeRO-3 does, with one ``RuntimeWarning`` per engine.
+Lightning's checkpointing builds such a state dict on every rank and drops it (the engine's
+``save_checkpoint`` writes the shards); a user who saves it gets the warning, which names
+``engine.consolidated_state_dict()``.
 """
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -87,6 +97,7 @@ class EngineHooks(access.AccessOwner):
         #: ends the engine these hooks belong to (set by the engine; see [Note: a module
         #: initialized again] in :mod:`zpp.zero.engine`)
         self.close_engine: Callable[[], None] | None = None
+        self.warned_placeholder = False
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -176,6 +187,14 @@ class EngineHooks(access.AccessOwner):
             self.prefetcher.gather(u, Phase.FORWARD)
         elif torch._C._current_graph_task_id() != -1:  # inside backward: released at its end
             self.prefetcher.gather(u, Phase.BACKWARD)
+        elif what == "detach":  # see [Note: state_dict of a partitioned module]
+            if not self.warned_placeholder:
+                self.warned_placeholder = True
+                warnings.warn(
+                    f"zpp: state_dict() (or detach) of partitioned parameters outside forward, first "
+                    f"{self.param_names.get(id(param), '?')!r}: it holds this rank's empty placeholder, as DeepSpeed's "
+                    "ZeRO-3 gives; for the values use engine.consolidated_state_dict() or "
+                    "zpp.zero.GatheredParameters", RuntimeWarning, stacklevel=3)
         elif kind != "shape":
             raise RuntimeError(
                 f"zpp: parameter {self.param_names.get(id(param), '?')!r} is partitioned (ZeRO stage 3) and was "
