@@ -80,11 +80,11 @@ def _validate(section: Any) -> None:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class TensorBoardConfig:
-    """DeepSpeed's ``"tensorboard"`` section (needs the ``tensorboard`` package)."""
+class _DirectoryConfig:
+    """A monitor that writes files into ``output_path/job_name``."""
 
     enabled: bool = False
-    """Write TensorBoard event files on rank 0 (Default: False)."""
+    """Write the files on rank 0 (Default: False)."""
     output_path: str = ""
     """The directory holding ``job_name``; "" is the working directory (Default: "")."""
     job_name: str = "DeepSpeedJobName"
@@ -95,18 +95,14 @@ class TensorBoardConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class CSVConfig:
+class TensorBoardConfig(_DirectoryConfig):
+    """DeepSpeed's ``"tensorboard"`` section (needs the ``tensorboard`` package): TensorBoard
+    event files."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class CSVConfig(_DirectoryConfig):
     """DeepSpeed's ``"csv_monitor"`` section: one CSV file per event name, no package needed."""
-
-    enabled: bool = False
-    """Write the CSV files on rank 0 (Default: False)."""
-    output_path: str = ""
-    """The directory holding ``job_name``; "" is the working directory (Default: "")."""
-    job_name: str = "DeepSpeedJobName"
-    """The run's directory inside ``output_path`` (Default: "DeepSpeedJobName")."""
-
-    def __post_init__(self) -> None:
-        _validate(self)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
