@@ -148,7 +148,7 @@ def test_accumulation_boundary_from_outside_and_scale_wrt_gas():
     for r in run_world(_boundary, 2, timeout=120):
         for stage in (0, 2, 3):
             s = r[stage]
-            # weights equal to the bit; 3 optimizer steps of 12 samples; micro_steps counts step() calls (as DeepSpeed's)
+            # weights equal to the bit; 3 optimizer steps of 12 samples; micro_steps counts step() calls
             assert s["deepspeed"] == (True, 3, 6, 36, [0.5] * 6), s
             assert s["accelerate"] == (True, 3, 3, 36, [0.5] * 6), s
             assert s["trainer"] == (True, 3, 6, 36, [1.0] * 6), s  # scale_wrt_gas=False: returned as given

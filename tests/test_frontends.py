@@ -6,7 +6,8 @@ gradient accumulation 2, the user's AdamW and a warm-up schedule (the Trainer's 
 user's ``LambdaLR`` for accelerate and Lightning, DeepSpeed's ``WarmupLR`` from the config
 for the Trainer), evaluates, checkpoints at step 10 and resumes from there. fp32 ZeRO-2 and
 ZeRO-3 must give DDP's losses (the same sums in another order: equal before the first
-update, within 1e-5 relative after 20 steps), the same learning rates at every step, and a resumed run the uninterrupted run's losses; ZeRO++
+update, within 1e-5 relative after 20 steps) and the same learning rates at every step; a
+resumed run gives the uninterrupted run's losses (Lightning: DDP's resumed run's); ZeRO++
 (int8 weights, int4 gradients) stays within its quantization error (2e-2). The ZeRO-3
 model the Trainer saves loads into a plain ``from_pretrained`` with DDP's weights.
 perf/frontends_check.py compares the same runs with real DeepSpeed 0.19.8.

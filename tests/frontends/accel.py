@@ -3,7 +3,6 @@ gradient accumulation, eval, save_state and resume. See tests/frontends/common.p
 
     zpp run torchrun --nproc-per-node 2 tests/frontends/accel.py --stage 3 --out r.json
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -12,17 +11,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-p = argparse.ArgumentParser()
-p.add_argument("--engine", choices=["deepspeed", "ddp"], default="deepspeed")
-p.add_argument("--stage", type=int, default=2)
-p.add_argument("--zeropp", action="store_true")
-p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-p.add_argument("--gas", type=int, default=2)
-p.add_argument("--micro", type=int, default=2)
-p.add_argument("--save-at", type=int, default=0, help="save_state after this many steps (0: no)")
-p.add_argument("--resume", default=None, help="load_state from this folder first")
-p.add_argument("--dir", default="ckpt", help="the save_state folder")
-p.add_argument("--out", required=True)
+p = common.arguments(save_help="save_state after this many steps (0: no)",
+                     resume_help="load_state from this folder first")
 args = p.parse_args()
 
 common.allow_cpu()

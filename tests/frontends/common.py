@@ -19,6 +19,7 @@ DeepSpeed it is; these are theirs, not zpp's, and :func:`allow_cpu` steps around
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -26,6 +27,22 @@ import sys
 import torch
 
 VOCAB, SEQ = 1000, 32
+
+
+def arguments(save_help: str, resume_help: str) -> argparse.ArgumentParser:
+    """The options every script takes (a script adds its own)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", choices=["deepspeed", "ddp"], default="deepspeed")
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--zeropp", action="store_true")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--gas", type=int, default=2)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--save-at", type=int, default=0, help=save_help)
+    p.add_argument("--resume", default=None, help=resume_help)
+    p.add_argument("--dir", default="out", help="where checkpoints (and the Trainer's model) go")
+    p.add_argument("--out", required=True, help="the result file (JSON)")
+    return p
 
 
 def tiny_gpt2(seed: int = 0):

@@ -6,7 +6,6 @@ tests/frontends/common.py.
 
     zpp run torchrun --nproc-per-node 2 tests/frontends/hf_trainer.py --stage 3 --out r.json
 """
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -16,18 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-p = argparse.ArgumentParser()
-p.add_argument("--engine", choices=["deepspeed", "ddp"], default="deepspeed")
-p.add_argument("--stage", type=int, default=2)
-p.add_argument("--zeropp", action="store_true")
+p = common.arguments(save_help="checkpoint after this many steps (0: no)",
+                     resume_help="resume_from_checkpoint this folder")
 p.add_argument("--ds-optim", action="store_true", help="optimizer and WarmupLR from the DeepSpeed config ('auto')")
-p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-p.add_argument("--gas", type=int, default=2)
-p.add_argument("--micro", type=int, default=2)
-p.add_argument("--save-at", type=int, default=0, help="checkpoint after this many steps (0: no)")
-p.add_argument("--resume", default=None, help="resume_from_checkpoint this folder")
-p.add_argument("--dir", default="trainer_out")
-p.add_argument("--out", required=True)
 args = p.parse_args()
 
 common.allow_cpu()

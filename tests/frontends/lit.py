@@ -4,7 +4,6 @@ resume, on ``strategy=DeepSpeedStrategy(config=...)`` (or "ddp"). See tests/fron
 
     zpp run python tests/frontends/lit.py --stage 3 --out r.json     # Lightning starts the 2 ranks
 """
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -14,18 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-p = argparse.ArgumentParser()
-p.add_argument("--engine", choices=["deepspeed", "ddp"], default="deepspeed")
-p.add_argument("--stage", type=int, default=2)
-p.add_argument("--zeropp", action="store_true")
-p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-p.add_argument("--gas", type=int, default=2)
-p.add_argument("--micro", type=int, default=2)
-p.add_argument("--save-at", type=int, default=0, help="checkpoint at the end of each epoch (0: no)")
+p = common.arguments(save_help="checkpoint at the end of each epoch (0: no)",
+                     resume_help="ckpt_path to resume from")
 p.add_argument("--epoch-steps", type=int, default=10, help="optimizer steps per epoch (the data repeats)")
-p.add_argument("--resume", default=None, help="ckpt_path to resume from")
-p.add_argument("--dir", default="lit_out")
-p.add_argument("--out", required=True)
 args = p.parse_args()
 
 import pytorch_lightning as pl  # noqa: E402
@@ -89,7 +79,8 @@ if args.save_at:
 trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=args.steps,
                      accumulate_grad_batches=args.gas, gradient_clip_val=1.0 if args.engine == "ddp" else None,
                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, limit_val_batches=None, val_check_interval=None, use_distributed_sampler=True,
+                     num_sanity_val_steps=0, limit_val_batches=None, val_check_interval=None,
+                     use_distributed_sampler=True,
                      deterministic=False)
 module = TinyGPT()
 trainer.fit(module, data, val, ckpt_path=args.resume)
