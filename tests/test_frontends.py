@@ -9,7 +9,9 @@ ZeRO-3 must give DDP's losses (the same sums in another order: equal before the 
 update, within 1e-5 relative after 20 steps) and the same learning rates at every step; a
 resumed run gives the uninterrupted run's losses (Lightning: DDP's resumed run's); ZeRO++
 (int8 weights, int4 gradients) stays within its quantization error (2e-2). The ZeRO-3
-model the Trainer saves loads into a plain ``from_pretrained`` with DDP's weights.
+model the Trainer saves loads into a plain ``from_pretrained`` with DDP's weights, and
+``from_pretrained`` under ZeRO-3 (partitioned construction, weights loaded into the
+partitions) gives the checkpoint's weights and DDP's training.
 perf/frontends_check.py compares the same runs with real DeepSpeed 0.19.8.
 """
 from __future__ import annotations
@@ -119,3 +121,35 @@ def test_trainer_with_deepspeed_optimizer_and_warmup_lr(tmp_path):
     expected = [2e-3 * min(1.0, math.log(k + 1) / math.log(5)) for k in range(STEPS)]
     assert lrs == pytest.approx(expected, rel=1e-12, abs=0), (lrs, expected)
     assert len(run["losses"]) == STEPS and all(math.isfinite(x) for x in run["losses"]), run["losses"]
+
+
+def test_from_pretrained_under_zero3(tmp_path):
+    """transformers' ZeRO-3 loading on zpp (tests/frontends/hf_zero3_load.py): with a ZeRO-3
+    config registered, ``from_pretrained`` builds the model under ``deepspeed.zero.Init`` and
+    loads each weight through ``GatheredParameters``; each rank then holds its slices only
+    (``ds_numel`` counts the model), the weights are the checkpoint's exactly, and 3 steps on 2
+    ranks give the losses of the same steps done in one process with DDP's arithmetic."""
+    from transformers import GPT2LMHeadModel
+
+    from tests.frontends import common
+
+    common.tiny_gpt2(seed=1).save_pretrained(tmp_path / "pretrained")
+    run = harness.run("zero3_load", tmp_path / "z3", args=["--pretrained", str(tmp_path / "pretrained")])
+    ref = GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained")
+    assert run["deepspeed"] == "zpp" and run["all_have_ds_numel"], run
+    assert run["local_numel"] == 0 and run["status"] == "ZeroParamStatus.NOT_AVAILABLE", run
+    assert run["ds_numel"] == sum(p.numel() for p in ref.parameters())
+    loaded, want = torch.load(tmp_path / "z3" / "result.state.pt"), ref.state_dict()
+    assert sorted(loaded) == sorted(want)
+    assert [k for k in want if not torch.equal(loaded[k], want[k])] == []
+    # DDP's arithmetic: each step averages the two ranks' gradients (equal token counts)
+    optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    data, losses = common.tokens(2 * 3 * 2, seed=5), []
+    for i in range(3):
+        per_rank = [ref(input_ids=b, labels=b).loss for b in (data[i * 4:i * 4 + 2], data[i * 4 + 2:i * 4 + 4])]
+        ((per_rank[0] + per_rank[1]) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(per_rank[0].item())
+    assert _rel(run["losses"][:1], losses[:1]) < 1e-6, (run["losses"], losses)  # the loaded weights' loss
+    assert _rel(run["losses"], losses) < RTOL_EXACT, (run["losses"], losses)

@@ -208,7 +208,7 @@ def test_prefetch_switch():
 @pytest.mark.parametrize("ds,exc,words", [
     ({"bf16": {"enabled": "false"}}, ValueError, ["bf16.enabled='false'", "not a boolean"]),
     ({"bfloat16": {"enabled": "true"}}, ValueError, ["bfloat16.enabled='true'"]),
-    ({"fp16": {"enabled": 1}}, ValueError, ["fp16.enabled=1"]),
+    ({"fp16": {"enabled": 2}}, ValueError, ["fp16.enabled=2"]),  # 0 and 1 are DeepSpeed's booleans too
     ({"gradient_clipping": True}, ValueError, ["gradient_clipping=True"]),
     ({"gradient_clipping": "1.0"}, ValueError, ["gradient_clipping='1.0'"]),
     ({"zero_optimization": None}, ValueError, ["zero_optimization=None", "TypeError"]),
@@ -327,7 +327,7 @@ REFUSED_SAMPLES = {
     "zero_optimization.mics_hierarchical_params_gather": True, "zero_optimization.zeropp_loco_param": {"err_beta": 0.8},
     "zero_optimization.zenflow": {"topk_ratio": 0.1}, "zero_optimization.pipeline_loading_checkpoint": True,
     "zero_optimization.enable_sanity_checks": True, "zero_optimization.leaf_module": {"classes": ["Block"]},
-    "communication_data_type": "fp16", "sparse_gradients": True, "disable_allgather": True, "dump_state": True,
+    "communication_data_type": "fp16", "gradient_allreduce_op": "sum", "sparse_gradients": True, "disable_allgather": True, "dump_state": True,
     "graph_harvesting": True, "dataloader_drop_last": True, "checkpoint.tag_validation": "FAIL",
     "checkpoint.load_universal": True, "checkpoint.use_node_local_storage": True,
     "checkpoint.parallel_write": {"pipeline_stage": True}, "checkpoint.writer": {"type": "fast"},

@@ -25,7 +25,7 @@ from tests import dist
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-SCRIPTS = {"trainer": "hf_trainer.py", "accelerate": "accel.py", "lightning": "lit.py"}
+SCRIPTS = {"trainer": "hf_trainer.py", "accelerate": "accel.py", "lightning": "lit.py", "zero3_load": "hf_zero3_load.py"}
 WORLD = 2
 _STRIP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
           "ZPP_RANKS_PER_NODE", "ZPP_COMM_BACKEND", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_DEEPSPEED")

@@ -22,8 +22,9 @@ from zpp.zero.config import (
 from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.engine import ZeroEngine
 from zpp.zero.gathered import GatheredParameters
-from zpp.zero.init import Init
+from zpp.zero.init import Init, register_external_parameter, unregister_external_parameter
 from zpp.zero.loss_scale import LossScaler
+from zpp.zero.param_attrs import ZeroParamStatus, ZeroParamType
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
@@ -44,10 +45,14 @@ __all__ = [
     "WarmupLR",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroParamStatus",
+    "ZeroParamType",
     "ZppConfig",
     "check_same_config",
     "GatheredParameters",
     "Init",
     "from_deepspeed",
     "initialize",
+    "register_external_parameter",
+    "unregister_external_parameter",
 ]

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from zpp.zero.param_attrs import ZeroParamStatus, set_status
+
 _PASSTHROUGH = frozenset({
     "__get__", "__set__", "__delete__", "data_ptr", "stride", "storage_offset", "is_contiguous",
     "element_size", "__hash__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
@@ -101,6 +103,7 @@ def mark_sharded(params) -> None:
         cls = type(p)
         if cls not in _INTERCEPTING.values():
             p.__class__ = _intercepting(cls)
+    set_status(params, ZeroParamStatus.NOT_AVAILABLE)
 
 
 def mark_gathered(params) -> None:
@@ -109,6 +112,7 @@ def mark_gathered(params) -> None:
         base = _base_class(type(p))
         if base is not type(p):
             p.__class__ = base
+    set_status(params, ZeroParamStatus.AVAILABLE)
 
 
 def _base_class(cls: type) -> type:

@@ -8,9 +8,10 @@ as ``5e8`` becomes ``5e8``'s int where ``lenient`` allows it) and otherwise rais
 
 [Note: strict types]
 Booleans are booleans: the string ``"false"`` is refused, not read as true, and ``True`` is
-not a number (``gradient_clipping: true`` is refused, not 1.0). Integers may be written as
-integral floats in JSON (``"reduce_bucket_size": 5e8``, as DeepSpeed accepts) only at the
-DeepSpeed edge (``lenient=True``); the typed dataclasses take ints. ``"auto"`` is a
+not a number (``gradient_clipping: true`` is refused, not 1.0). Only at the DeepSpeed edge
+(``lenient=True``), where DeepSpeed reads them so, integers may be written as integral
+floats in JSON (``"reduce_bucket_size": 5e8``) and a boolean as ``0`` or ``1``; the typed
+dataclasses take ints and bools. ``"auto"`` is a
 placeholder the Hugging Face Trainer / Accelerate integrations fill in before DeepSpeed sees
 the config; zpp refuses it with a message saying so.
 """
@@ -41,7 +42,10 @@ def fail(where: str, name: str, value: Any, what: str) -> ValueError:
     return ValueError(f"{where}: {name}={value!r} must be {what}{_hint(value)}")
 
 
-def check_bool(where: str, name: str, value: Any) -> bool:
+def check_bool(where: str, name: str, value: Any, *, lenient: bool = False) -> bool:
+    """A bool; with ``lenient`` the integers 0 and 1 are taken too (as false and true)."""
+    if lenient and type(value) is int and value in (0, 1):
+        return bool(value)
     if not isinstance(value, bool):
         raise fail(where, name, value, "true or false")
     return value

@@ -76,7 +76,7 @@ class DsKey:
 
 # ---------------------------------------------------------------------- value checks
 def _bool(p, v):
-    return check_bool(WHERE, p, v)
+    return check_bool(WHERE, p, v, lenient=True)
 
 
 def _int(lo=None):
@@ -110,6 +110,13 @@ def _anything(p, v):
     return v
 
 
+def _allreduce_op(p, v):
+    """"mean" or "sum", in any case, as DeepSpeed reads it."""
+    if not isinstance(v, str) or v.lower() not in ("mean", "sum"):
+        raise fail(WHERE, p, v, 'one of "mean", "sum"')
+    return v.lower()
+
+
 def _tag_mode(p, v):
     if not isinstance(v, str) or v.upper() not in ("WARN", "IGNORE", "FAIL"):
         raise fail(WHERE, p, v, 'one of "Warn", "Ignore", "Fail"')
@@ -120,7 +127,7 @@ def _enabled_section(p, v):
     """A refused section: a dict whose ``enabled`` (if any) is a boolean."""
     check_mapping(WHERE, p, v)
     if "enabled" in v:
-        check_bool(WHERE, f"{p}.enabled", v["enabled"])
+        check_bool(WHERE, f"{p}.enabled", v["enabled"], lenient=True)
     return v
 
 
@@ -301,6 +308,8 @@ _KEY_LIST: list[DsKey] = [
             "bytes per op and level (engine.world.counters)", _bool),
     _accept("memory_breakdown", "no memory report; see zpp.accelerator.get_accelerator().memory_allocated()",
             _bool),
+    _refuse("gradient_allreduce_op", "summed gradients; scale the loss by the world size instead",
+            _allreduce_op, _is("mean"), '"mean" (the default: zpp averages over the ranks)'),
     _accept("prescale_gradients", "zpp computes the mean over ranks in its own reduction", _bool),
     _accept("gradient_predivide_factor", "zpp computes the mean over ranks in its own reduction",
             _num(lo=0, lo_open=True)),

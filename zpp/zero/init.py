@@ -25,7 +25,9 @@ the same order.
   (whose later use cannot be seen) it stays gathered until the outermost module under
   construction is built. Outside the context, a read raises a ``RuntimeError`` naming the
   parameter: give the model to :func:`zpp.initialize`, or read it inside
-  :class:`zpp.zero.GatheredParameters`.
+  :class:`zpp.zero.GatheredParameters`. ``detach`` alone reads nothing and returns the empty
+  placeholder, as DeepSpeed's does: ``model.state_dict()`` lists the keys (transformers'
+  ``from_pretrained`` does so before loading the weights into the partitioned model).
 * :func:`zpp.initialize` builds its units from the loose shards one parameter at a time
   (each parameter's slices are all-gathered and the unit keeps its own range), so the
   whole model is never materialized there either.
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from zpp.comm.transport import Transport
-from zpp.zero import access
+from zpp.zero import access, param_attrs
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,7 +74,7 @@ class InitOwner(access.AccessOwner):
                 active.regather.append(param)
                 return None
             return lambda: repartition_loose(param, "own")  # the function has run: partition it again
-        if kind == "shape":
+        if kind == "shape" or what == "detach":  # state_dict(): the placeholder, as DeepSpeed's
             return None
         raise RuntimeError(
             f"zpp: a parameter of shape {tuple(_LOOSE[id(param)].shape)} was built under zpp.zero.Init and is "
@@ -111,6 +113,8 @@ def partition(p: torch.nn.Parameter, world: Transport) -> None:
     shard[:hi - lo] = flat[lo:hi]
     _LOOSE[id(p)] = LooseShard(shard, p.shape, flat.numel(), world)
     weakref.finalize(p, _LOOSE.pop, id(p), None)  # ids are reused once p is gone
+    param_attrs.describe(p, numel=flat.numel(), shape=p.shape, partition=shard, persist=False,
+                         status=param_attrs.ZeroParamStatus.NOT_AVAILABLE, padding=per - (hi - lo))
     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     access.register([p], _OWNER)
     access.mark_sharded([p])
@@ -169,7 +173,7 @@ def take(p: torch.nn.Parameter) -> LooseShard:
 def cast_loose(p: torch.nn.Parameter, dtype: torch.dtype) -> None:
     """Convert a loose parameter's shard (and its empty data) to ``dtype``."""
     ls = _LOOSE[id(p)]
-    ls.shard = ls.shard.to(dtype)
+    ls.shard = p.ds_tensor = ls.shard.to(dtype)
     p.data = torch.empty(0, dtype=dtype, device=ls.shard.device)
 
 
@@ -297,6 +301,18 @@ class Init:
         for p in pending:
             if is_loose(p):
                 repartition_loose(p, "own")
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's: gather ``parameter`` with ``module``, which uses it without owning it.
+    Nothing to do in zpp, which sees every read of a partitioned parameter and gathers it
+    (see [Note: parameter access] in :mod:`zpp.zero.access`)."""
+    del module, parameter
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's counterpart of :func:`register_external_parameter`; nothing to do in zpp."""
+    del module, parameter
 
 
 def _all_module_classes() -> list[type]:

@@ -3,7 +3,9 @@
 [Note: stage 3 units]
 With sharded parameters, units are made at *unit roots*, in post-order: a unit root takes
 every parameter of its subtree not yet in a unit, and the model's root takes what is left
-(FSDP2's ``fully_shard(block)`` calls, then ``fully_shard(model)``). The unit roots are,
+(FSDP2's ``fully_shard(block)`` calls, then ``fully_shard(model)``). A ZeRO-3 leaf module
+(DeepSpeed's ``_z3_leaf`` flag, :mod:`zpp.utils.z3_leaf_module`) is a unit root before any
+rule below, and nothing inside it is one: it is gathered whole. The other unit roots are,
 first match wins:
 
 1. ``zpp.unit_classes``: every module whose class name is listed (a name that matches no
@@ -49,6 +51,7 @@ from collections.abc import Callable
 
 import torch
 
+from zpp.utils.z3_leaf_module import z3_leaf_module
 from zpp.zero import init as zinit
 from zpp.zero.config import TrainConfig
 from zpp.zero.param_groups import ParamGroups
@@ -108,13 +111,14 @@ def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: Train
                 return id(m) in roots
             return sum(zinit.numel_of(p) for _, p in acc) >= min_numel
 
-        def visit(m: torch.nn.Module, is_root: bool) -> Named:
+        def visit(m: torch.nn.Module, is_root: bool, in_leaf: bool = False) -> Named:
             visited.add(id(m))
+            leaf = not in_leaf and z3_leaf_module(m)
             acc = list(owned.get(id(m), []))
             for c in m.children():
                 if id(c) not in visited:
-                    acc.extend(visit(c, False))
-            if acc and (is_root or is_unit_root(m, acc)):
+                    acc.extend(visit(c, False, in_leaf or leaf))
+            if acc and (is_root or leaf or (not in_leaf and is_unit_root(m, acc))):
                 by_key: dict[tuple, Named] = collections.defaultdict(list)
                 for n, p in acc:
                     by_key[key(p)].append((n, p))

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from zpp.comm.transport import Transport, Work
-from zpp.zero import access
+from zpp.zero import access, param_attrs
 from zpp.zero import init as zinit
 from zpp.zero.comm_api import GradReduce, Phase, WeightGather
 from zpp.zero.offload import Offload
@@ -142,6 +142,21 @@ class Unit:
             else:
                 f.master = torch.nn.Parameter(offload.host(f.shard, torch.float32) if offload.optimizer
                                               else f.shard.float(), requires_grad=True)
+        if self.comms.policy.shard_parameters:
+            self._describe(own)
+
+    def _describe(self, own: slice) -> None:
+        """DeepSpeed's ZeRO-3 attributes on the parameters (see [Note: ZeRO-3 parameter
+        attributes] in :mod:`zpp.zero.param_attrs`): each one's part of this rank's shard."""
+        f = self.flat
+        status = param_attrs.ZeroParamStatus.NOT_AVAILABLE if self.shards_params else \
+            param_attrs.ZeroParamStatus.AVAILABLE
+        for slot, p in zip(self.layout.slots, self.params, strict=True):
+            lo = min(max(slot.offset, own.start), own.stop)
+            hi = max(min(slot.offset + slot.numel, own.stop), lo)
+            part = f.shard[lo - own.start:hi - own.start]
+            param_attrs.describe(p, numel=slot.numel, shape=slot.shape, partition=part, persist=not self.shards_params,
+                                 status=status)
 
     def _materialize_loose(self, own: slice) -> None:
         """Build the unit from parameters partitioned by :class:`zpp.zero.Init`, one
@@ -204,6 +219,7 @@ class Unit:
         f.full = full
         f.state = ShardState.GATHERING
         self.inflight = Started(phase, work, strategy)
+        param_attrs.set_status(self.params, param_attrs.ZeroParamStatus.INFLIGHT)
         return work
 
     def _complete(self) -> None:
@@ -221,6 +237,7 @@ class Unit:
         started.work.wait()
         self.flat.full = None
         self.flat.state = ShardState.SHARDED
+        param_attrs.set_status(self.params, param_attrs.ZeroParamStatus.NOT_AVAILABLE)
 
     def release(self) -> None:
         """Drop the full buffer (sharded parameters only; otherwise it is the parameters)."""
