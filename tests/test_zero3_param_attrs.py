@@ -77,15 +77,17 @@ class _Model(torch.nn.Module):
         return self.head(h)
 
 
-def _engine_attrs(t, leaf: bool):
+def _engine_attrs(t, leaf: str):
     torch.manual_seed(0)
     model = _Model()
     want = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if leaf:
+    if leaf == "call":
         set_z3_leaf_modules(model, [_Block])
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20},
            "zpp": {"unit_min_numel": 0}}  # every module holding parameters is a unit: up and down apart
+    if leaf == "config":
+        cfg["zero_optimization"]["leaf_module"] = {"name_suffixes": ["0"], "names": ["blocks.1", "nothing"]}
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     seen = {}
 
@@ -106,7 +108,7 @@ def _engine_attrs(t, leaf: bool):
     return {"want": want, "attrs": attrs, "seen": seen, "after": after, "stepped": stepped, "units": units}
 
 
-@pytest.mark.parametrize("leaf", [False, True])
+@pytest.mark.parametrize("leaf", ["none", "call", "config"])
 def test_attributes_in_a_stage3_engine(leaf):
     r0, r1 = run_world(_engine_attrs, 2, args=(leaf,), timeout=120)
     for name, full in r0["want"].items():
@@ -122,8 +124,8 @@ def test_attributes_in_a_stage3_engine(leaf):
     assert r0["seen"] == {"in_forward": S.AVAILABLE}
     block_units = [u for u in r0["units"] if "blocks.0.up.weight" in u or "blocks.0.down.weight" in u]
     # a leaf module is one unit, gathered whole
-    want = [("blocks.0.down.weight", "blocks.0.up.weight")] if leaf else [("blocks.0.down.weight",),
-                                                                           ("blocks.0.up.weight",)]
+    want = [("blocks.0.down.weight", "blocks.0.up.weight")] if leaf != "none" else [("blocks.0.down.weight",),
+                                                                                     ("blocks.0.up.weight",)]
     assert block_units == want, r0["units"]
 
 

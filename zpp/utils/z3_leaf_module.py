@@ -17,8 +17,15 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+__all__ = ["DEFAULT_LEAF_MODULE_CLASSES", "apply_leaf_module_config", "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
+
+
+#: DeepSpeed 0.19.8's default ``zero_optimization.leaf_module.classes``: mixture-of-experts
+#: blocks whose router sends each rank's tokens to different experts.
+DEFAULT_LEAF_MODULE_CLASSES = ("transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                               "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                               "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock")
 
 
 def z3_leaf_module(model: torch.nn.Module) -> bool:
@@ -104,3 +111,20 @@ def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: 
     """Flag the modules whose name ends with one of the suffixes."""
     return _set_by(model, module_name_suffixes, lambda n, w: n.endswith(w), "by_suffix", flag,
                    raise_if_not_found)
+
+
+def apply_leaf_module_config(model: torch.nn.Module, classes: Iterable[str], names: Iterable[str] = (),
+                             name_suffixes: Iterable[str] = ()) -> list[torch.nn.Module]:
+    """Flag the modules a ``zero_optimization.leaf_module`` section names (what matches
+    nothing is skipped: the default classes are absent from most models; names and suffixes
+    that match nothing are logged); returns the flagged modules."""
+    from zpp.utils.logging import log_dist_once
+
+    found = {id(m): m for m in _set_by_class(model, classes, True, False)}
+    for what, wanted in (("by_name", names), ("by_suffix", name_suffixes)):
+        hit = (lambda n, w: n == w) if what == "by_name" else (lambda n, w: n.endswith(w))
+        mods, missing = _set_by(model, wanted, hit, what, True, False)
+        found.update((id(m), m) for m in mods)
+        if missing:
+            log_dist_once(f"zero_optimization.leaf_module: {missing} match no module name", ranks=[0])
+    return list(found.values())

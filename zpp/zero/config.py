@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from zpp.utils.z3_leaf_module import DEFAULT_LEAF_MODULE_CLASSES
 from zpp.zero.checks import (
     check_bool,
     check_choice,
@@ -68,6 +69,26 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class LeafModuleConfig:
+    """Stage 3: modules gathered whole, nothing inside them on its own (DeepSpeed's
+    ``zero_optimization.leaf_module``; see :mod:`zpp.utils.z3_leaf_module`). Applied at
+    :func:`zpp.initialize` by setting the modules' ``_z3_leaf`` flag."""
+
+    classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES
+    """Class names (``Name`` or ``module.Name``) (Default: DeepSpeed's, the Mixtral and Qwen
+    mixture-of-experts blocks)."""
+    names: tuple[str, ...] = ()
+    """Module names as ``named_modules()`` gives them (Default: none)."""
+    name_suffixes: tuple[str, ...] = ()
+    """Ends of module names (Default: none)."""
+
+    def __post_init__(self) -> None:
+        for name in ("classes", "names", "name_suffixes"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, () if value == () else check_str_tuple("LeafModuleConfig", name, value))
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ZeroConfig:
     """What ZeRO shards and which ZeRO++ compressions are on."""
 
@@ -105,6 +126,8 @@ class ZeroConfig:
     gather_16bit_weights_on_model_save: bool = False
     """Stage 3: ``engine.save_16bit_model()`` and the front-ends' model export gather the
     whole model (``engine.zero_gather_16bit_weights_on_model_save()``) (Default: False)."""
+    leaf_module: LeafModuleConfig = dataclasses.field(default_factory=LeafModuleConfig)
+    """Stage 3: the modules gathered whole (Default: DeepSpeed's MoE blocks)."""
 
     def __post_init__(self) -> None:
         w = "ZeroConfig"
@@ -118,6 +141,8 @@ class ZeroConfig:
         for name in ("offload_optimizer", "offload_param"):
             if not isinstance(getattr(self, name), OffloadConfig):
                 raise fail(w, name, getattr(self, name), "an OffloadConfig")
+        if not isinstance(self.leaf_module, LeafModuleConfig):
+            raise fail(w, "leaf_module", self.leaf_module, "a LeafModuleConfig")
         h = self.hpz_partition_size
         if self.stage < 3:
             on = [f"{n}={getattr(self, n)!r}" for n in ("quantized_weights", "quantized_gradients")

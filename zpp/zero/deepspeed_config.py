@@ -19,7 +19,7 @@ from zpp.zero.checks import check_mapping, from_section
 from zpp.zero.config import (
     OPTIMIZER_PARAM_CHECKS, OPTIMIZER_PARAMS, SCHEDULER_PARAM_CHECKS, SCHEDULERS,
     ActivationCheckpointingConfig, Fp16Config, MonitorConfig, OffloadConfig, OptimizerConfig, SchedulerConfig,
-    TrainConfig, ZeroConfig, ZppConfig,
+    LeafModuleConfig, TrainConfig, ZeroConfig, ZppConfig,
 )
 
 from zpp.zero.deepspeed_keys import (
@@ -260,6 +260,9 @@ def _zero(zero: Mapping[str, Any], notes: list[str]) -> ZeroConfig:
         raise ValueError(f"{WHERE}: zero_optimization.stage={stage!r} must be one of [0, 1, 2, 3]")
     for dev in _OFF:
         zkw[dev] = _offload(zero, dev, stage, notes)
+    leaf = zero.get("leaf_module") or {}
+    zkw["leaf_module"] = LeafModuleConfig(**{k: KEYS[f"{_ZERO}.leaf_module.{k}"].check(f"{_ZERO}.leaf_module.{k}", v)
+                                             for k, v in leaf.items()})
     return ZeroConfig(**zkw)
 
 

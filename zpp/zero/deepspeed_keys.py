@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zpp.zero.checks import (
-    check_bool, check_choice, check_int, check_mapping, check_number, check_str, fail,
+    check_bool, check_choice, check_int, check_mapping, check_number, check_str, check_str_tuple, fail,
 )
 from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, OuterConfig, ZppConfig
 from zpp.zero.monitor import FIELD_CHECKS as _MONITOR_CHECKS, SECTIONS as MONITOR_SECTIONS, WRITERS as _WRITERS
@@ -100,6 +100,11 @@ def _choice(*choices):
 
 def _str(p, v):
     return check_str(WHERE, p, v)
+
+
+def _str_list(p, v):
+    """A list of strings; one string is a one-element list (as DeepSpeed coerces it)."""
+    return check_str_tuple(WHERE, p, [v] if isinstance(v, str) else v)
 
 
 def _dict(p, v):
@@ -290,8 +295,10 @@ _KEY_LIST: list[DsKey] = [
     _refuse(f"{_ZERO}.zenflow", "ZenFlow", _anything, lambda v: v is None, "null", nullable=True),
     _refuse_flag(f"{_ZERO}.pipeline_loading_checkpoint", "pipeline parallelism"),
     _refuse_flag(f"{_ZERO}.enable_sanity_checks", "DeepSpeed's internal checks"),
-    _refuse(f"{_ZERO}.leaf_module", "DeepSpeed's leaf modules; zpp.unit_classes names units", _dict,
-            lambda v: not any(v.values()), "{}"),
+    _impl(f"{_ZERO}.leaf_module", "ZeroConfig.leaf_module (LeafModuleConfig): modules stage 3 gathers whole",
+          _dict, nullable=True, section=True),
+    *[_impl(f"{_ZERO}.leaf_module.{k}", f"LeafModuleConfig.{k} (a string is a one-element list)", _str_list)
+      for k in ("classes", "names", "name_suffixes")],
     # --- activation checkpointing
     _impl("activation_checkpointing", "TrainConfig.activation_checkpointing", _dict, section=True),
     *[_impl(f"activation_checkpointing.{f.name}", f"ActivationCheckpointingConfig.{f.name}",

@@ -4,8 +4,9 @@
 With sharded parameters, units are made at *unit roots*, in post-order: a unit root takes
 every parameter of its subtree not yet in a unit, and the model's root takes what is left
 (FSDP2's ``fully_shard(block)`` calls, then ``fully_shard(model)``). A ZeRO-3 leaf module
-(DeepSpeed's ``_z3_leaf`` flag, :mod:`zpp.utils.z3_leaf_module`) is a unit root before any
-rule below, and nothing inside it is one: it is gathered whole. The other unit roots are,
+(DeepSpeed's ``_z3_leaf`` flag, set by :mod:`zpp.utils.z3_leaf_module` or by the config's
+``zero_optimization.leaf_module``, whose default names the Mixtral and Qwen MoE blocks) is
+a unit root before any rule below, and nothing inside it is one: it is gathered whole. The other unit roots are,
 first match wins:
 
 1. ``zpp.unit_classes``: every module whose class name is listed (a name that matches no
@@ -51,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from zpp.utils.z3_leaf_module import z3_leaf_module
+from zpp.utils.z3_leaf_module import apply_leaf_module_config, z3_leaf_module
 from zpp.zero import init as zinit
 from zpp.zero.config import TrainConfig
 from zpp.zero.param_groups import ParamGroups
@@ -100,6 +101,8 @@ def plan_units(module: torch.nn.Module, *, policy: ShardingPolicy, config: Train
         owned = {m: [(n, p) for n, p in own if id(p) not in small] for m, own in owned.items()}
         _buckets(list(small.values()), config, key, lambda named, k: add(named, k[0], persistent=True))
     if policy.shard_parameters:
+        leaf = config.zero.leaf_module
+        apply_leaf_module_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
         min_numel = config.zpp.unit_min_numel
         roots = None if min_numel is not None and not config.zpp.unit_classes else unit_roots(module, config)
         if roots is None and min_numel is None:  # no block found: every module holding parameters

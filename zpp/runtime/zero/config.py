@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from zpp.utils.z3_leaf_module import DEFAULT_LEAF_MODULE_CLASSES
 from zpp.zero.checks import check_bool, check_int, check_number, check_str
 from zpp.zero.deepspeed_keys import KEYS, ZERO_ALIASES
 
@@ -159,17 +160,12 @@ class DeepSpeedZeroOffloadOptimizerConfig(_Section):
         return self.pipeline_read or self.pipeline_write
 
 
-_MOE_BLOCKS = ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-               "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-               "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]
-
-
 class DeepSpeedZeroLeafModuleConfig(_Section):
     """``zero_optimization.leaf_module``: modules ZeRO-3 gathers whole (DeepSpeed's defaults:
     the Mixtral and Qwen MoE blocks). A single string is read as a one-element list."""
 
     PATH = "zero_optimization.leaf_module"
-    FIELDS = {"classes": lambda: list(_MOE_BLOCKS), "names": list, "name_suffixes": list}
+    FIELDS = {"classes": lambda: list(DEFAULT_LEAF_MODULE_CLASSES), "names": list, "name_suffixes": list}
 
     def _check(self, name: str, value: Any) -> Any:
         value = [value] if isinstance(value, str) else value
