@@ -249,9 +249,12 @@ def test_get_transport_takes_the_plan_backend(tmp_path, monkeypatch):
     plan.save(path)
     monkeypatch.setenv(TUNE_FILE_ENV, str(path))
     assert registry.get_transport(timeout_s=5) == "mpi" and made[-1] == ("mpi", {"timeout_s": 5})
-    assert registry.get_transport("torch") == "torch"  # an explicit name wins
+    monkeypatch.setattr(registry, "_WARNED", set())
+    with pytest.warns(UserWarning, match="from the argument .* overrides the tune plan"):
+        assert registry.get_transport("torch") == "torch"  # an explicit name wins, loudly
     monkeypatch.setenv(registry.BACKEND_ENV, "torch")
-    assert registry.get_transport() == "torch"  # and so does $ZPP_COMM_BACKEND
+    with pytest.warns(UserWarning, match=r"from \$ZPP_COMM_BACKEND overrides the tune plan"):
+        assert registry.get_transport() == "torch"  # and so does $ZPP_COMM_BACKEND
     monkeypatch.delenv(registry.BACKEND_ENV)
     doc = plan.to_dict()
     for e in doc["entries"]:

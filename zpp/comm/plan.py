@@ -6,8 +6,10 @@ message size, as measured by ``zpp tune`` (see :mod:`zpp.tune`).
     plan.backend()                           # the backend that wins most size buckets
 
 Consumers: :func:`zpp.comm.registry.get_transport` takes the plan's backend when neither
-an argument nor ``$ZPP_COMM_BACKEND`` names one, and :mod:`zpp.comm.tuned` picks plain,
-int8, int4 or 1bit per call.
+an argument nor ``$ZPP_COMM_BACKEND`` names one (and warns when one of them overrides it),
+:mod:`zpp.comm.tuned` picks plain, int8, int4 or 1bit per call, and :func:`zpp.initialize`
+(the config's ``zpp.tune_plan``, else ``$ZPP_TUNE_FILE``) applies it to the ZeRO++ code
+widths (see [Note: the plan in the engine] in :mod:`zpp.zero.plan_bits`).
 
 [Note: plan file]
 JSON, one object::
@@ -175,12 +177,16 @@ class TunePlan:
         return max(sorted(votes), key=lambda b: (votes[b], -order.get(b, len(order))))
 
     def check_world(self, world_size: int, ranks_per_node: int | None = None, *, what: str = "this world") -> None:
-        """ValueError naming both sizes when the plan was made for another world size."""
-        if world_size != self.world.size:
+        """ValueError naming both worlds when the plan was made for another world size or,
+        when ``ranks_per_node`` is given, another number of ranks per node."""
+        other_rpn = ranks_per_node is not None and ranks_per_node != self.world.ranks_per_node
+        if world_size != self.world.size or other_rpn:
+            theirs = f"{world_size} ranks" if ranks_per_node is None else (
+                f"{world_size} ranks ({world_size // ranks_per_node} nodes x {ranks_per_node})")
             raise ValueError(
                 f"{self.source}: the plan was made for a world of {self.world.size} ranks "
                 f"({self.world.nodes} nodes x {self.world.ranks_per_node}), but {what} has "
-                f"{world_size} ranks; run `zpp tune` for this world"
+                f"{theirs}; run `zpp tune` for this world"
             )
 
     # ------------------------------------------------------------------ (de)serialization
