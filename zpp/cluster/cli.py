@@ -185,14 +185,19 @@ def _fill(cluster: argparse.ArgumentParser) -> argparse.ArgumentParser:
         description=(
             "Run CMD as NODES*R ranks. torch: one process per rank with RANK, WORLD_SIZE, "
             "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME set. "
-            "mpi: MPICH hydra mpiexec with one proxy per node. Rank 0's stdout goes to stdout; "
-            "everything else to stderr prefixed with the rank. Exit code: the ranks' worst, "
-            "124 on timeout."),
+            "mpi: MPICH hydra mpiexec with one proxy per node. --backend B also exports "
+            "ZPP_COMM_BACKEND=B to the ranks, which outranks the backend of a `zpp tune` plan "
+            "(ZPP_TUNE_FILE; rank 0 then warns that it overrides the plan); without --backend "
+            "nothing is exported and the ranks are started for the plan's backend (torch without "
+            "a plan). Rank 0's stdout goes to stdout; everything else to stderr prefixed with the "
+            "rank. Exit code: the ranks' worst, 124 on timeout."),
     )
     p.add_argument("--nodes", type=_positive_int, default=None,
                    help="nodes to use (default: all nodes of the cluster)")
     p.add_argument("--ranks-per-node", type=_positive_int, default=1, help="ranks per node (default 1)")
-    p.add_argument("--backend", choices=launch.BACKENDS, default="torch", help="default torch")
+    p.add_argument("--backend", choices=launch.BACKENDS, default=None,
+                   help="the ranks' transport, exported as ZPP_COMM_BACKEND (overrides a ZPP_TUNE_FILE "
+                        "plan's backend); default: the plan's backend, else torch, not exported")
     p.add_argument("--timeout", type=_positive_float, default=None,
                    help="kill everything after this many seconds (exit code 124)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")

@@ -11,6 +11,13 @@ mpi backend: one hydra ``mpiexec`` started inside node 0, which starts one
 MPICH then uses shared memory inside a node and TCP (libfabric tcp provider on ``zpp-eth``)
 between nodes.
 
+Which transport the ranks use: ``--backend B`` (``backend="B"``) starts them for B and
+exports ``ZPP_COMM_BACKEND=B``, which outranks the backend of a ``zpp tune`` plan
+(``ZPP_TUNE_FILE``; see [Note: which transport] in :mod:`zpp.comm.registry`; rank 0 of the
+job then warns that it overrides the plan). Without it nothing is exported: the ranks are
+started for the plan's backend when ``ZPP_TUNE_FILE`` names a plan, else for torch
+(:func:`launch_backend`), and each rank's ``get_transport()`` follows the plan.
+
 Output: rank 0's stdout goes to our stdout unchanged; every other stream (other ranks'
 stdout, all stderr, launcher messages) goes to our stderr, each line prefixed ``[rank k]``.
 
@@ -33,7 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import IO, Sequence
+from typing import IO, Mapping, Sequence
 
 from zpp.comm.mpi_shm import ShmWatch
 
@@ -376,7 +383,7 @@ def run(
     cmd: Sequence[str],
     nodes: int | None = None,
     ranks_per_node: int = 1,
-    backend: str = "torch",
+    backend: str | None = None,
     timeout: float | None = None,
     *,
     stdout: IO[str] | None = None,
@@ -387,6 +394,10 @@ def run(
 ) -> int:
     """Run ``cmd`` as ``nodes * ranks_per_node`` ranks on the cluster; returns the exit code.
 
+    ``backend``: "torch" or "mpi", exported to the ranks as ``ZPP_COMM_BACKEND``; None: the
+    backend of the ``ZPP_TUNE_FILE`` plan (in our environment or ``env``), else "torch",
+    not exported (see :func:`launch_backend`).
+
     ``nodes`` defaults to every node of the cluster. Returns the worst exit code of the
     ranks (a rank killed by signal N counts 128+N), or 124 on ``timeout`` (seconds). On
     Ctrl-C everything is killed and ``KeyboardInterrupt`` re-raised. ``env`` adds variables
@@ -396,8 +407,8 @@ def run(
     cmd = [str(c) for c in cmd]
     if not cmd:
         raise ValueError("no command given to run")
-    if backend not in BACKENDS:
-        raise ValueError(f"invalid backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    extra = {str(k): str(v) for k, v in (env or {}).items()}
+    backend, exported, note = launch_backend(backend, {**os.environ, **extra})
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ValueError(f"invalid ranks per node {ranks_per_node!r}: must be a positive integer")
     if timeout is not None and not timeout > 0:
@@ -412,11 +423,14 @@ def run(
     common = {
         "ZPP_RANKS_PER_NODE": str(ranks_per_node),
         "ZPP_NUM_NODES": str(nodes),
-        "ZPP_COMM_BACKEND": backend,
+        **exported,
         "PYTHONUNBUFFERED": "1",
         RUN_ID_VAR: run_id,
     }
-    extra = {str(k): str(v) for k, v in (env or {}).items()}
+    if note:
+        with lock:
+            err.write(f"zpp cluster run: {note}\n")
+            err.flush()
 
     def env_args(d: dict[str, str]) -> list[str]:
         return [f"{k}={v}" for k, v in d.items()]
@@ -463,6 +477,35 @@ def run(
         for watch in watches:  # after the leftovers: nothing of the run maps them any more
             watch.stop()
             watch.clean()
+
+
+def launch_backend(backend: str | None, env: Mapping[str, str]) -> tuple[str, dict[str, str], str | None]:
+    """How :func:`run` starts the ranks: ``(backend, variables to export, note)``.
+
+    ``backend`` given: that one, exported as ``ZPP_COMM_BACKEND`` (the note says when it
+    overrides the plan named by ``env``'s ``ZPP_TUNE_FILE``). None: the plan's backend when
+    ``env`` names a plan (a backend the cluster cannot start falls back to "torch", noted),
+    else "torch"; nothing exported, so the ranks' ``get_transport()`` follows the plan.
+    ValueError for an unknown backend or a malformed plan."""
+    from zpp.comm.plan import TUNE_FILE_ENV, load_plan
+
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"invalid backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    path = env.get(TUNE_FILE_ENV) or None
+    plan = load_plan(path) if path else None
+    if backend is not None:
+        note = None
+        if plan is not None and plan.backend() != backend:
+            note = (f"--backend {backend} sets ZPP_COMM_BACKEND={backend}, which overrides the tune plan "
+                    f"{plan.source} (it chose {plan.backend()}); the ranks run on {backend}")
+        return backend, {"ZPP_COMM_BACKEND": backend}, note
+    if plan is None:
+        return "torch", {}, None
+    chosen = plan.backend()
+    if chosen not in BACKENDS:
+        return "torch", {}, (f"the tune plan {plan.source} chose backend {chosen!r}, which `zpp cluster run` "
+                             f"cannot start ({', '.join(BACKENDS)}); starting torch-style ranks")
+    return chosen, {}, f"starting {chosen} ranks, the backend of the tune plan {plan.source} (no --backend)"
 
 
 def _drain(jobs: Sequence[_Job], wait: float = 2.0) -> None:
