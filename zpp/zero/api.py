@@ -10,18 +10,26 @@
 
 Launch one process per rank (``torchrun --nproc-per-node 4 train.py``, ``mpiexec -n 4``);
 the transport is ``zpp.comm.get_transport(config.zpp.transport)`` unless one is passed.
+A ``zpp tune`` plan (``zpp.tune_plan``, else ``$ZPP_TUNE_FILE``) chooses the backend where
+nothing above it in [Note: which transport] (:mod:`zpp.comm.registry`) does, and the
+ZeRO++ code widths ([Note: the plan in the engine] in :mod:`zpp.zero.plan_bits`).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from zpp.comm.plan import TUNE_FILE_ENV, TunePlan, load_plan
 from zpp.comm.transport import Transport
 from zpp.zero.deepspeed_config import deepspeed_dict, from_args
 from zpp.zero.engine import ZeroEngine
 from zpp.zero.param_groups import ParamGroups
+from zpp.zero.plan_bits import check_plan_world
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
@@ -64,7 +72,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             ``NotImplementedError``.
         config_params: DeepSpeed's older name of ``config``.
         transport: zpp's own: the transport to run on (Default:
-            ``zpp.comm.get_transport(config.zpp.transport)``).
+            ``zpp.comm.get_transport(config.zpp.transport)``). One whose backend differs
+            from the tune plan's is used, with a warning on rank 0 and a note in its
+            ``chosen_by``.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)``, as DeepSpeed:
@@ -83,11 +93,22 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise ValueError("zpp.initialize: pass config or config_params, not both")
     given = config if config is not None else config_params
     cfg = from_args(args, given)
-    if transport is None:
-        from zpp.comm import registry
+    plan, plan_note = _tune_plan(cfg.zpp.tune_plan)
+    if plan is not None and cfg.zpp.tune_plan is None:  # every rank must run the same plan: agreed with the config
+        cfg = dataclasses.replace(cfg, zpp=dataclasses.replace(cfg.zpp, tune_plan=plan.path))
+    from zpp.comm import registry
 
+    if transport is None:
         timeout = {} if cfg.zpp.timeout_s is None else {"timeout_s": cfg.zpp.timeout_s}
-        transport = registry.get_transport(cfg.zpp.transport, **timeout)
+        transport = registry.get_transport(cfg.zpp.transport, plan=plan, **timeout)
+    elif plan is not None:
+        made = getattr(transport, "chosen_by", None)
+        registry.note_override(transport, transport.name, "the transport passed to zpp.initialize"
+                               + (f" (chosen by {made})" if made else ""), plan)
+    if plan is not None:
+        if plan_note is not None and transport.rank == 0:
+            warnings.warn(plan_note, UserWarning, stacklevel=2)
+        check_plan_world(plan, transport)
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = ParamGroups.of_optimizer(optimizer)
     elif optimizer is None and cfg.optimizer is None:  # for evaluation: nothing trains
@@ -95,7 +116,20 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     else:
         groups = ParamGroups.of(model_parameters)
     engine = ZeroEngine(model, config=cfg, world=transport, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        groups=groups, ds_config=deepspeed_dict(args, given))
+                        groups=groups, ds_config=deepspeed_dict(args, given), tune_plan=plan)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _tune_plan(path: str | None) -> tuple[TunePlan | None, str | None]:
+    """The plan in force: the config's ``zpp.tune_plan``, else ``$ZPP_TUNE_FILE``'s, else
+    None; and, when both name different files, the warning that the config's wins."""
+    env = os.environ.get(TUNE_FILE_ENV) or None
+    if path is None:
+        return load_plan(), None
+    note = None
+    if env is not None and os.path.realpath(env) != os.path.realpath(path):
+        note = (f"zpp.initialize: the config's zpp.tune_plan={path!r} overrides ${TUNE_FILE_ENV}={env!r}; "
+                f"the job follows {path!r}")
+    return load_plan(path), note

@@ -48,6 +48,9 @@ from zpp.zero.outer_config import OUTER_COMPRESSIONS, OUTER_METHODS, OuterConfig
 
 STAGES = (0, 1, 2, 3)
 QUANT_BITS = (4, 8)
+#: The code widths without a plan, and without ``zpp.weight_bits`` / ``zpp.gradient_bits``.
+DEFAULT_WEIGHT_BITS = 8
+DEFAULT_GRADIENT_BITS = 4
 NONFINITE = ("skip", "raise")
 OFFLOAD_DEVICES = ("none", "cpu")
 
@@ -170,10 +173,18 @@ class ZppConfig:
     """Seconds the rendezvous and every collective wait for a silent peer before raising
     ``TimeoutError``; None: ``$ZPP_TIMEOUT_S``, else 300 (see :mod:`zpp.comm.timeout`)
     (Default: None)."""
-    weight_bits: int = 8
-    """qwZ code width, 8 or 4 (Default: 8)."""
-    gradient_bits: int = 4
-    """qgZ code width, 4 or 8 (Default: 4)."""
+    tune_plan: str | None = None
+    """A plan file written by ``zpp tune`` for this job; None: ``$ZPP_TUNE_FILE``, else no
+    plan. :func:`zpp.initialize` applies it: its backend when neither ``transport`` nor
+    ``$ZPP_COMM_BACKEND`` names one, and its compression per message size to the qwZ
+    gathers and qgZ reductions (see [Note: the plan in the engine] in
+    :mod:`zpp.zero.plan_bits`) (Default: None)."""
+    weight_bits: int | None = None
+    """qwZ code width, 8 or 4; None: the tune plan's choice for each gather size, else 8. Set
+    and contradicted by the plan: ``ValueError`` at initialize (Default: None)."""
+    gradient_bits: int | None = None
+    """qgZ code width, 4 or 8; None: the tune plan's choice for each reduce-scatter size,
+    else 4. Set and contradicted by the plan: ``ValueError`` at initialize (Default: None)."""
     weight_group_size: int = 2048
     """qwZ elements per fp32 scale; capped at the shard size (Default: 2048)."""
     gradient_group_size: int = 2048
@@ -226,7 +237,10 @@ class ZppConfig:
     def __post_init__(self) -> None:
         w = "ZppConfig"
         for name in ("weight_bits", "gradient_bits"):
-            check_choice(w, name, getattr(self, name), QUANT_BITS)
+            if getattr(self, name) is not None:
+                check_choice(w, name, getattr(self, name), QUANT_BITS)
+        if self.tune_plan is not None:
+            check_str(w, "tune_plan", self.tune_plan)
         for name in ("weight_group_size", "gradient_group_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 2 or v % 2:

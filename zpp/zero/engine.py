@@ -15,6 +15,7 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 :mod:`~zpp.zero.checkpoint` sharded, reshardable checkpoints; the consolidated state dict
 :mod:`~zpp.zero.memory`     model-state bytes per rank
 :mod:`~zpp.zero.outer`      the hierarchical mode (``zpp.outer``): DiLoCo across nodes
+:mod:`~zpp.zero.plan_bits`  the ``zpp tune`` plan applied to the qwZ/qgZ code widths
 :mod:`~zpp.zero.offload`    ZeRO-Offload: optimizer state and parameter shards in host memory
 :mod:`~zpp.zero.precision`  bf16/fp16 casts of the model and (``fp16.auto_cast``) its inputs
 :mod:`~zpp.zero.accessors`  DeepSpeed's engine accessors (``global_rank``, ``get_lr()``, ...)
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 
 from zpp.comm.nonfinite import NonFiniteGradientError
+from zpp.comm.plan import TunePlan
 from zpp.comm.transport import Transport
 from zpp.utils.logging import logger
 from zpp.zero import access, checkpoint
@@ -77,6 +79,7 @@ from zpp.zero.offload import Offload, settle
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
 from zpp.zero.outer import build_outer, node_world
 from zpp.zero.param_groups import ParamGroups
+from zpp.zero.plan_bits import apply_plan
 from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.precision import MODEL_DTYPES, cast_module, to_half
@@ -102,6 +105,8 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
             rank's node in the hierarchical mode (``zpp.outer``).
         job_world: the transport over every rank of the job (data, checkpoints, batch sizes).
         outer: the hierarchical mode's :class:`~zpp.zero.outer.OuterSync`, else None.
+        tune_plan: the ``zpp tune`` plan applied to the qwZ/qgZ code widths (see [Note: the
+            plan in the engine] in :mod:`zpp.zero.plan_bits`), else None.
         comms: what the units share (:class:`UnitComms`: policy, gathers, reduction).
         units: the communication units, in flat order.
         optimizer: the torch optimizer over the fp32 master shards (one group per parameter
@@ -118,7 +123,7 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, *, config: TrainConfig, world: Transport,
                  optimizer: Any = None, lr_scheduler: Any = None, groups: ParamGroups | None = None,
-                 ds_config: dict | None = None) -> None:
+                 ds_config: dict | None = None, tune_plan: TunePlan | None = None) -> None:
         super().__init__()
         self.module = module
         self.config = ds_config if ds_config is not None else {}
@@ -159,7 +164,13 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         self.hooks = EngineHooks(module, plan, policy=policy, prefetcher=self._prefetch)
         self.hooks.close_engine = self.close  # the registry keeps this engine until it is closed
         self.hooks.install()
+        self.tune_plan = tune_plan
         try:
+            if tune_plan is not None:  # see [Note: the plan in the engine] in zpp.zero.plan_bits
+                for level, line in apply_plan(tune_plan, units=self.units, gathers=self.comms.gathers,
+                                              reduce=self.comms.reduce, config=config, world=world):
+                    if self.job_world.rank == 0:
+                        getattr(log, level)("%s", line)
             self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
             self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
             self.outer = build_outer(self)

@@ -3,7 +3,9 @@
 Each rank quantizes its shard (symmetric int8 or int4, one fp32 scale per group) and every
 rank receives ``dequantize(quantize(shard))`` of every rank, so all ranks compute with the
 same weights; the stored shards keep full precision. The group size is capped at the shard
-(:func:`zpp.comm.collectives.effective_group_size` caps it further for tiny shards).
+(:func:`zpp.comm.collectives.effective_group_size` caps it further for tiny shards). The code
+width is ``zpp.weight_bits``, or per gather size the tune plan's choice (``by_nbytes``, set
+by :func:`zpp.zero.plan_bits.apply_plan`; a size the plan sends plain is gathered plain).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from zpp.comm.collectives import quantized_all_gather_async
 from zpp.comm.transport import Work
 from zpp.zero.comm_api import Comms, WeightGather
+from zpp.zero.config import DEFAULT_WEIGHT_BITS
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatShard
@@ -26,12 +29,19 @@ class QuantizedGather(WeightGather):
 
     def __init__(self, comms: Comms) -> None:
         self.world = comms.world
-        self.bits = comms.config.zpp.weight_bits
+        bits = comms.config.zpp.weight_bits
+        self.bits = DEFAULT_WEIGHT_BITS if bits is None else bits
         self.group_size = comms.config.zpp.weight_group_size
+        #: gather bytes (the full buffer's) -> code width, None: plain; from the tune plan
+        self.by_nbytes: dict[int, int | None] = {}
 
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
+        bits = self.by_nbytes.get(full.numel() * full.element_size(), self.bits)
+        if bits is None:
+            return self.world.all_gather_async(full, flat.compute_shard())
         gs = min(self.group_size, flat.layout.shard_numel)
-        return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=self.bits, group_size=gs)
+        return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=bits, group_size=gs)
 
     def __repr__(self) -> str:
-        return f"QuantizedGather(bits={self.bits}, group_size={self.group_size})"
+        plan = f", by_nbytes={self.by_nbytes}" if self.by_nbytes else ""
+        return f"QuantizedGather(bits={self.bits}, group_size={self.group_size}{plan})"

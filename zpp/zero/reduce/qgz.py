@@ -4,7 +4,9 @@
 int8) codes in a swizzled layout, a fused dequantize-sum-requantize, an inter-node
 all-to-all among the ranks of equal local rank, then dequantize and sum: the mean over every
 rank of the owned range, within the two-stage quantization bound. ``zpp.gradient_bits`` and
-``zpp.gradient_group_size`` (capped at the shard) set the code.
+``zpp.gradient_group_size`` (capped at the shard) set the code; per reduction size the tune
+plan's choice replaces the width (``by_nbytes``, set by :func:`zpp.zero.plan_bits.apply_plan`;
+a size the plan sends plain is reduce-scattered plain, in fp32).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from zpp.comm.collectives import quantized_reduce_scatter
 from zpp.zero.comm_api import Comms, GradReduce
+from zpp.zero.config import DEFAULT_GRADIENT_BITS
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatLayout
@@ -28,14 +31,22 @@ class QuantizedReduceScatter(GradReduce):
         if comms.topology is None:
             raise ValueError("QuantizedReduceScatter: qgZ needs the topology of the world")
         self.topology = comms.topology
-        self.bits = comms.config.zpp.gradient_bits
+        bits = comms.config.zpp.gradient_bits
+        self.bits = DEFAULT_GRADIENT_BITS if bits is None else bits
         self.group_size = comms.config.zpp.gradient_group_size
+        #: reduction bytes (the fp32 input's) -> code width, None: plain; from the tune plan
+        self.by_nbytes: dict[int, int | None] = {}
 
     def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
         out = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
+        bits = self.by_nbytes.get(flat.numel() * flat.element_size(), self.bits)
+        if bits is None:
+            self.topology.world.reduce_scatter(out, flat, "mean")
+            return out
         gs = min(self.group_size, layout.shard_numel)
-        quantized_reduce_scatter(out, flat, topology=self.topology, bits=self.bits, group_size=gs)
+        quantized_reduce_scatter(out, flat, topology=self.topology, bits=bits, group_size=gs)
         return out
 
     def __repr__(self) -> str:
-        return f"QuantizedReduceScatter(bits={self.bits}, group_size={self.group_size})"
+        plan = f", by_nbytes={self.by_nbytes}" if self.by_nbytes else ""
+        return f"QuantizedReduceScatter(bits={self.bits}, group_size={self.group_size}{plan})"
