@@ -7,7 +7,7 @@ stays within ``--max-error``.
     zpp tune --cluster --ranks-per-node 2        # each backend through `zpp cluster run`
     mpiexec -n 8 zpp tune                        # inside a launched world: its backend only
     zpp tune --cluster --ops all_reduce --outer-params 25M --outer-step-s 3   # + zpp.outer settings
-    ZPP_TUNE_FILE=zpp_tune.json python train.py  # use it: get_transport(), zpp.comm.tuned
+    ZPP_TUNE_FILE=zpp_tune.json python train.py  # use it: get_transport(), zpp.comm.tuned, zpp.initialize
 
 The sweep is ``zpp bench``'s (all_gather, reduce_scatter and all_reduce: none, int8, int4;
 all_reduce also 1bit with --allow-1bit). Alone, torch ranks are spawned in-process and the MPI
