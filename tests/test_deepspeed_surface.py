@@ -33,6 +33,7 @@ import zpp
 from tests.dist import run_world
 from zpp import unsupported
 from zpp.accelerator import real_accelerator as ra
+from zpp.ops.adam import FusedAdam
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,8 +107,13 @@ def test_cpu_accelerator():
     assert a.pin_memory(t) is t and a.on_accelerator(t) and a.amp() is torch.cpu.amp
     assert a.FloatTensor([1, 2]).dtype == torch.float32 and a.LongTensor([1]).dtype == torch.int64
     assert a.lazy_call(lambda: 5) == 5 and a.range_push("x") is None and a.range_pop() is None
-    with pytest.raises(NotImplementedError, match="no op builders"):
-        a.create_op_builder("FusedAdamBuilder")
+    fused = a.create_op_builder("FusedAdamBuilder")  # zpp's FusedAdam: torch's fused Adam, nothing to build
+    assert fused.is_compatible() and fused.load().FusedAdam is FusedAdam
+    assert not a.create_op_builder("SparseAttnBuilder").is_compatible()
+    with pytest.raises(NotImplementedError, match="scaled_dot_product_attention"):
+        a.get_op_builder("SparseAttnBuilder")().load()
+    with pytest.raises(ValueError, match="NoSuchBuilder"):
+        a.get_op_builder("NoSuchBuilder")
 
 
 def test_cpu_accelerator_memory():
@@ -338,13 +344,26 @@ def test_refused_name_says_what_instead(name):
 
 
 def test_refused_submodules_and_attributes():
-    with pytest.raises(ImportError, match="pipeline parallelism"):
-        exec("from zpp.pipe import PipelineModule", {})
+    # classes that shared code imports (to subclass, or for isinstance) import, and refuse when built
+    from zpp.moe.layer import MoE
+    from zpp.pipe import LayerSpec, PipelineModule
+    from zpp.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from zpp.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    class Stack(PipelineModule):  # a definition, as a script that supports both makes
+        pass
+
+    for cls, words in ((Stack, "pipeline parallelism"), (LayerSpec, "pipeline parallelism"), (MoE, "no MoE layers"),
+                       (FP16_UnfusedOptimizer, "fp16 optimizer wrappers"),
+                       (DeepSpeedZeroOptimizer_Stage3, "zpp.zero.ZeroEngine")):
+        with pytest.raises(NotImplementedError, match=words):
+            cls(torch.nn.Linear(2, 2))
+    assert zpp.PipelineModule is PipelineModule
+    with pytest.raises(ImportError, match="1-bit optimizers are zpp.optim"):
+        importlib.import_module("zpp.runtime.fp16.onebit.adam")
     with pytest.raises(ImportError, match=r"\(deepspeed\.ops\.transformer\)"):  # the parent explains
         importlib.import_module("zpp.ops.transformer.inference")
     assert "deepspeed.ops.transformer.inference" in unsupported.explain("zpp.ops.transformer.inference")
-    with pytest.raises(AttributeError, match="no MoE layers"):
-        zpp.moe.layer
     with pytest.raises(ModuleNotFoundError):  # an unknown name stays an ordinary error
         importlib.import_module("zpp.not_a_deepspeed_module")
 
@@ -403,3 +422,53 @@ def test_deepspeed_shaped_script_two_ranks(tmp_path):
     for (a, _, _), (b, _, _) in zip(by_config, by_fused):
         assert len(a) == 5 and a[0] == b[0] and a[-1] < a[0]
         assert all(math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-7) for x, y in zip(a, b)), (a, b)
+
+
+def test_deepspeed_helper_modules():
+    """The small DeepSpeed modules scripts and shared test code import: what each answers."""
+    import zpp.git_version_info as gvi
+    from zpp.accelerator import is_current_accelerator_supported
+    from zpp.checkpoint.constants import OPTIMIZER_STATE_DICT
+    from zpp.checkpoint.utils import get_model_ckpt_name_for_rank
+    from zpp.ops import __compatible_ops__
+    from zpp.runtime.precision_config import get_bfloat16_config, get_float16_config
+    from zpp.runtime.utils import move_to_device
+    from zpp.runtime.zero.partition_parameters import MultipleAllGatherHandles
+    from zpp.utils.torch import required_torch_version
+
+    assert is_current_accelerator_supported()
+    assert __compatible_ops__["fused_adam"] and __compatible_ops__["cpu_adam"] and not __compatible_ops__["async_io"]
+    assert set(gvi.installed_ops) == set(__compatible_ops__) and not any(gvi.installed_ops.values())
+    assert gvi.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert get_model_ckpt_name_for_rank("ck", "00") == os.path.join("ck", "mp_rank_00_model_states.pt")
+    assert OPTIMIZER_STATE_DICT == "optimizer_state_dict"
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled  # DeepSpeed's older name
+    assert get_bfloat16_config({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}}).enabled is False
+    assert get_float16_config({"fp16": {"enabled": True}}).initial_scale_power == 16
+    with pytest.raises(ValueError, match="enabled='yes'"):
+        get_bfloat16_config({"bf16": {"enabled": "yes"}})
+    have = torch.__version__.split("+")[0]
+    assert required_torch_version(min_version=have) and required_torch_version(max_version=have)
+    assert not required_torch_version(min_version="99.0") and not required_torch_version(max_version="1.0")
+    with pytest.raises(ValueError, match="min_version or max_version"):
+        required_torch_version()
+    moved = move_to_device({"a": [torch.ones(1), (torch.zeros(1), "x")], "b": 3}, "meta")
+    assert moved["a"][0].is_meta and moved["a"][1][0].is_meta and moved["a"][1][1] == "x" and moved["b"] == 3
+
+    class Handle:
+        def __init__(self):
+            self.seen = []
+
+        def wait(self, **kwargs):
+            self.seen.append(kwargs)
+
+    handles = [Handle(), Handle()]
+    MultipleAllGatherHandles(handles).wait(handle_dependency=False)
+    assert [h.seen for h in handles] == [[{"handle_dependency": False}]] * 2
+
+
+def test_initialize_dist_init_required_false_needs_an_initialized_world():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="dist_init_required=False.*not initialized"):
+        zpp.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1},
+                       dist_init_required=False)

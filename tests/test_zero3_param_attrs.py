@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zpp.zero as zz
-from tests.dist import run_world
+from tests.dist import _free_port, run_world
 from zpp.utils import get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name, z3_leaf_module
 from zpp.zero.param_attrs import ZeroParamStatus
 
@@ -26,6 +26,15 @@ def _under_init(t):
     with zz.Init(transport=t):
         model = _net()
     out = []
+    weight = model[0].weight
+    weight.all_gather()  # DeepSpeed's two-call gather, then partition()
+    gathered = (weight.ds_status, weight.numel(), weight.detach().clone())
+    with torch.no_grad():
+        weight.add_(1.0)  # dropped at partition(), as DeepSpeed drops it
+    weight.partition()
+    out.append({"two_calls": (*gathered, weight.ds_status, weight.numel())})
+    with pytest.raises(NotImplementedError, match="modifier_rank"):
+        weight.partition(has_been_updated=True)
     for name, p in model.named_parameters():
         before = (p.ds_status, p.numel(), p.ds_numel, tuple(p.ds_shape), p.partition_numel(), p.padding_size())
         with zz.GatheredParameters([p]):
@@ -38,6 +47,10 @@ def _under_init(t):
 
 def test_attributes_under_init():
     r0, r1 = run_world(_under_init, 2, timeout=120)
+    (first, *r0), (_, *r1) = r0, r1
+    status, numel, values, after, after_numel = first["two_calls"]
+    assert (status, numel, after, after_numel) == (S.AVAILABLE, 70, S.NOT_AVAILABLE, 0)
+    assert torch.equal(values.reshape(-1), r0[0]["full"])  # the same values the block reads: the change dropped
     ids = [e["id"] for e in r0]
     assert ids == sorted(ids) and len(set(ids)) == len(ids) == 4, ids  # construction order, unique
     for a, b in zip(r0, r1, strict=True):
@@ -168,3 +181,19 @@ def test_libraries_count_partitioned_parameters():
     assert r0["local"] == r1["local"] == 0
     # Lightning's DeepSpeed summary: the block's parameters, and this rank's slices of them
     assert r0["lightning"] == r1["lightning"] == (sum(block), sum(-(-n // 2) for n in block))
+
+
+def test_init_initializes_distributed():
+    """As DeepSpeed's: entering zpp.zero.Init makes the world (here a launcher's world of one)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, torch.distributed as dist, zpp.zero as zz\n"
+            "assert not dist.is_initialized()\n"
+            "with zz.Init():\n"
+            "    print(dist.is_initialized(), dist.get_world_size())\n")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout.split() == ["True", "1"], (res.stdout, res.stderr[-2000:])

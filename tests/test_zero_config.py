@@ -256,8 +256,6 @@ def test_prefetch_switch():
     ({"optimizer": {"type": "RMSprop"}}, NotImplementedError, ["RMSprop"]),
     ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, NotImplementedError,
      ["optimizer.params.bias_correction=False"]),
-    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, NotImplementedError,
-     ["optimizer.params.max_grad_norm=1.0", "gradient_clipping"]),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, NotImplementedError, ["amp="]),
     ({"sparse_gradients": True}, NotImplementedError, ["sparse_gradients=True"]),
     ({"communication_data_type": "bf16"}, NotImplementedError, ["communication_data_type='bf16'"]),
@@ -312,13 +310,14 @@ ACCEPTED_SAMPLES = {
     "zero_optimization.round_robin_gradients": True, "zero_optimization.sub_group_size": 1e9,
     "zero_optimization.override_module_apply": True, "zero_optimization.log_trace_cache_warnings": False,
     "zero_optimization.elastic_checkpoint": True,
-    "wall_clock_breakdown": True, "memory_breakdown": False, "prescale_gradients": True,
+    "optimizer.params.max_grad_norm": 1.0, "wall_clock_breakdown": True, "memory_breakdown": False,
+    "prescale_gradients": True,
     "gradient_predivide_factor": 2.0, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": True,
     "aio": {"block_size": 1048576, "queue_depth": 8},
 }
 # A value asking for something, for every refused key.
 REFUSED_SAMPLES = {
-    "optimizer.params.bias_correction": False, "optimizer.params.max_grad_norm": 1.0,
+    "optimizer.params.bias_correction": False,
     "fp16.fp16_master_weights_and_grads": True, "bf16.bf16_master_weights_and_grads": True,
     "bf16.bf16_optimizer_states": True, "zero_optimization.offload_optimizer.ratio": 0.3,
     "zero_optimization.offload_optimizer.super_offload": True, "zero_optimization.load_from_fp32_weights": False,

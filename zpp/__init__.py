@@ -22,8 +22,10 @@ _LAZY = {
     "get_accelerator": "zpp.accelerator:get_accelerator",
     "logger": "zpp.utils.logging:logger",
     "log_dist": "zpp.utils.logging:log_dist",
-    **{m: f"zpp.{m}" for m in ("accelerator", "checkpoint", "checkpointing", "comm", "moe", "ops", "optim", "quant",
-                                "runtime", "utils", "zero")},
+    "DeepSpeedConfig": "zpp.runtime.config:DeepSpeedConfig",
+    "PipelineModule": "zpp.pipe:PipelineModule",  # imports; building one is refused (zpp.unsupported)
+    **{m: f"zpp.{m}" for m in ("accelerator", "checkpoint", "checkpointing", "comm", "moe", "ops", "optim", "pipe",
+                                "quant", "runtime", "utils", "zero")},
 }
 __all__ = ["__version__", *_LAZY]
 

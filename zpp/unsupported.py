@@ -1,12 +1,19 @@
 """DeepSpeed modules and names zpp does not offer, each with what zpp offers instead.
 
 A DeepSpeed script that runs with ``import zpp as deepspeed`` may import more than zpp has
-(``deepspeed.pipe``, ``deepspeed.ops.transformer``, ``deepspeed.moe.layer``...). Those
-imports fail at the import line with an ``ImportError`` that names the module and says
-what to use instead, rather than a bare ``ModuleNotFoundError`` or a crash later:
+(``deepspeed.ops.transformer``, ``deepspeed.inference``...). Those imports fail at the
+import line with an ``ImportError`` that names the module and says what to use instead,
+rather than a bare ``ModuleNotFoundError`` or a crash later:
 
-    >>> import zpp.pipe
-    ImportError: zpp.pipe (deepspeed.pipe): pipeline parallelism is not in zpp ...
+    >>> import zpp.ops.transformer
+    ImportError: zpp.ops.transformer (deepspeed.ops.transformer): DeepSpeed's fused transformer ...
+
+A few classes that scripts (and libraries' shared code) import whether or not they use them,
+to subclass or to test ``isinstance`` against, import cleanly and refuse at construction
+(:func:`refused_class`): ``deepspeed.pipe.PipelineModule`` / ``LayerSpec``,
+``deepspeed.moe.layer.MoE``, DeepSpeed's fp16 and ZeRO optimizer wrappers. An instance is
+never made, so ``isinstance(engine.optimizer, FP16_Optimizer)`` is False, as it is in
+DeepSpeed for an optimizer that is not one.
 
 :class:`UnsupportedFinder`, appended to ``sys.meta_path`` by ``import zpp``, raises it for
 every module in ``MODULES`` (and its submodules); it is consulted only after the real
@@ -19,12 +26,11 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-__all__ = ["MODULES", "NAMES", "UnsupportedFinder", "explain", "install"]
+__all__ = ["MODULES", "NAMES", "UnsupportedFinder", "explain", "install", "refused_class"]
 
 _DP = "zpp is data-parallel (ZeRO stages 0-3 with ZeRO++ and the 1-bit optimizers)"
 #: DeepSpeed module (relative to the package) -> why zpp lacks it and what it offers instead.
 MODULES: dict[str, str] = {
-    "pipe": f"pipeline parallelism is not in zpp; {_DP}; see torch.distributed.pipelining",
     "runtime.pipe": f"pipeline parallelism is not in zpp; {_DP}; see torch.distributed.pipelining",
     "inference": "DeepSpeed's inference engine is not in zpp; zpp trains (run the trained module as it is)",
     "model_implementations": "DeepSpeed's inference model implementations are not in zpp",
@@ -37,18 +43,16 @@ MODULES: dict[str, str] = {
                 "optimizer.type OneBitLamb in the config",
     "ops.adagrad": "DeepSpeedCPUAdagrad is not in zpp; use torch.optim.Adagrad",
     "ops.lion": "Lion is not in zpp; pass any torch optimizer to zpp.initialize(optimizer=...)",
-    "ops.op_builder": "zpp has no op builders; its kernels compile at first use (zpp.quant)",
     "ops.aio": "NVMe I/O is not in zpp (offload device nvme is refused)",
     "ops.deepspeed4science": "DeepSpeed4Science kernels are not in zpp",
-    "moe.layer": "zpp has no MoE layers or expert parallelism; zpp.moe.utils passes parameter groups through",
     "moe.sharded_moe": "zpp has no MoE layers or expert parallelism",
     "moe.experts": "zpp has no MoE layers or expert parallelism",
     "compression": "compression training is not in zpp; zpp compresses communication only (zpp.quant, ZeRO++)",
     "runtime.activation_checkpointing": "zpp's activation checkpointing is zpp.checkpointing "
                                         "(deepspeed.checkpointing's names)",
-    "runtime.fp16": "DeepSpeed's fp16 optimizer wrappers are not in zpp (fp16 is the config's \"fp16\" section); "
-                    "its 1-bit optimizers (runtime.fp16.onebit) are zpp.optim.OneBitAdam / ZeroOneAdam / OneBitLamb, "
-                    "or optimizer.type in the config",
+    "runtime.fp16.onebit": "DeepSpeed's 1-bit optimizers are zpp.optim.OneBitAdam / ZeroOneAdam / OneBitLamb, or "
+                           "optimizer.type in the config",
+    "runtime.fp16.loss_scaler": "zpp's loss scaling is zpp.zero.LossScaler (the config's \"fp16\" section)",
     "profiling": "the flops profiler is not in zpp; use torch.profiler",
     "monitor": "DeepSpeed's monitor classes are not importable from zpp; the config's tensorboard, csv_monitor, "
                "wandb and comet sections work (zpp.zero.monitor), and engine.monitor.write_events(events) logs "
@@ -61,21 +65,37 @@ MODULES: dict[str, str] = {
 }
 #: Names of DeepSpeed's top-level package zpp does not offer -> why, and what instead.
 NAMES: dict[str, str] = {
-    "PipelineModule": MODULES["pipe"],
-    "PipelineEngine": MODULES["pipe"],
+    "PipelineEngine": MODULES["runtime.pipe"],
     "init_inference": MODULES["inference"],
     "InferenceEngine": MODULES["inference"],
     "DeepSpeedInferenceConfig": MODULES["inference"],
     "DeepSpeedTransformerLayer": MODULES["ops.transformer"],
     "DeepSpeedTransformerConfig": MODULES["ops.transformer"],
     "DeepSpeedHybridEngine": "DeepSpeed-Chat's hybrid engine is not in zpp",
-    "DeepSpeedConfig": "zpp's config is zpp.zero.config.TrainConfig; zpp.zero.deepspeed_config.from_deepspeed "
-                       "translates a DeepSpeed config",
     "OnDevice": "OnDevice is not in zpp; build the model on the device, or partitioned under zpp.zero.Init",
     "replace_transformer_layer": MODULES["module_inject"],
     "revert_transformer_layer": MODULES["module_inject"],
     "add_tuning_arguments": "DeepSpeed's lr-range-test arguments are not in zpp",
 }
+
+
+PIPE = f"pipeline parallelism is not in zpp; {_DP}; see torch.distributed.pipelining"
+MOE = "zpp has no MoE layers or expert parallelism; zpp.moe.utils passes parameter groups through"
+FP16_WRAPPERS = ("DeepSpeed's fp16 optimizer wrappers are not in zpp: fp16 is the config's \"fp16\" section, with "
+                 "fp32 master weights in the engine; pass a torch optimizer or the config's optimizer")
+ZERO_OPTIMIZERS = ("DeepSpeed's ZeRO optimizer classes are not in zpp: ZeRO is zpp.initialize's engine "
+                   "(zpp.zero.ZeroEngine), whose engine.optimizer is a torch optimizer over the fp32 master shards")
+
+
+def refused_class(name: str, module: str, why: str, base: type = object) -> type:
+    """A class named ``name`` that imports and subclasses like DeepSpeed's, and whose
+    construction raises ``NotImplementedError`` naming it and what zpp offers instead."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(f"{module}.{name}: {why}")
+
+    return type(name, (base,), {"__init__": __init__, "__module__": module,
+                                "__doc__": f"DeepSpeed's ``{name}``, refused by zpp: {why}."})
 
 
 def explain(fullname: str) -> str | None:

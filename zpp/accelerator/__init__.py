@@ -7,4 +7,15 @@ from zpp.accelerator.real_accelerator import (
     Accelerator, CpuAccelerator, CudaAccelerator, get_accelerator, set_accelerator,
 )
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator", "set_accelerator"]
+#: The accelerators zpp runs on (DeepSpeed's list is longer: xpu, npu, mps, hpu, ...).
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu"]
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether :func:`get_accelerator` names an accelerator zpp runs on (always, for zpp's
+    own: CPU and CUDA)."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
+
+
+__all__ = ["SUPPORTED_ACCELERATOR_LIST", "Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator",
+           "is_current_accelerator_supported", "set_accelerator"]

@@ -104,16 +104,24 @@ class Accelerator:
         for env in self.visible_devices_envs():
             current_env[env] = ",".join(map(str, local_accelerator_ids))
 
-    # ---- DeepSpeed's op builders: zpp has none
-    def op_builder_dir(self):
-        raise NotImplementedError("zpp has no op builders: its kernels compile at first use (zpp.quant)")
+    # ---- DeepSpeed's op builders: what zpp has of each op (zpp.ops.op_builder)
+    def op_builder_dir(self) -> str:
+        return "zpp.ops.op_builder"
+
+    def get_op_builder(self, class_name: str) -> type:
+        """The builder class ``class_name`` (``"FusedAdamBuilder"``...) of
+        :mod:`zpp.ops.op_builder`; ``ValueError`` for a name DeepSpeed does not have."""
+        from zpp.ops import op_builder
+
+        builder = getattr(op_builder, class_name, None)
+        if not (isinstance(builder, type) and issubclass(builder, op_builder.OpBuilder)):
+            raise ValueError(f"get_op_builder: {class_name!r} is not one of DeepSpeed's op builders "
+                             f"({sorted(b.__name__ for b in op_builder.ALL_OPS.values())})")
+        return builder
 
     def create_op_builder(self, class_name: str):
-        raise NotImplementedError(f"zpp has no op builders ({class_name!r}): its kernels compile at first use "
-                                  "(zpp.quant)")
-
-    def get_op_builder(self, class_name: str):
-        return self.create_op_builder(class_name)
+        """An instance of :meth:`get_op_builder`'s class."""
+        return self.get_op_builder(class_name)()
 
     def build_extension(self):
         from torch.utils.cpp_extension import BuildExtension

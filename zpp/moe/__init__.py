@@ -1,5 +1,6 @@
 """DeepSpeed's ``deepspeed.moe.utils`` helper for parameter groups. zpp has no MoE layers or
-expert parallelism: ``zpp.moe.layer`` raises an ``ImportError`` saying so."""
+expert parallelism: ``zpp.moe.layer.MoE`` imports, and building one raises
+``NotImplementedError`` saying so."""
 from zpp.moe import utils
 
 __all__ = ["utils"]

@@ -64,8 +64,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             (or zpp's launch detection) sets the rendezvous.
         mpu: model parallelism is not implemented: anything but None raises
             ``NotImplementedError``.
-        dist_init_required: accepted; the transport initializes ``torch.distributed`` when it
-            needs it and is not initialized yet.
+        dist_init_required: None or True: the transport initializes ``torch.distributed``
+            when it needs it and is not initialized yet; False: the caller initialized it
+            (on the torch transport, a ``RuntimeError`` when it did not, as DeepSpeed raises).
         collate_fn: the data loader's ``collate_fn``.
         config: a DeepSpeed dict, a JSON path, or a :class:`~zpp.zero.config.TrainConfig`.
         mesh_param: device meshes are not implemented: anything but None raises
@@ -98,6 +99,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         cfg = dataclasses.replace(cfg, zpp=dataclasses.replace(cfg.zpp, tune_plan=plan.path))
     from zpp.comm import registry
 
+    if transport is None and dist_init_required is False:
+        from zpp.comm.dist import is_initialized
+
+        backend, _ = registry.resolve_backend(cfg.zpp.transport)
+        if backend == "torch" and not is_initialized():
+            raise RuntimeError("zpp.initialize(dist_init_required=False): torch.distributed is not initialized; "
+                               "initialize it first (zpp.init_distributed()), or leave dist_init_required unset")
     if transport is None:
         timeout = {} if cfg.zpp.timeout_s is None else {"timeout_s": cfg.zpp.timeout_s}
         transport = registry.get_transport(cfg.zpp.transport, plan=plan, **timeout)

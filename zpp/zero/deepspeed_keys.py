@@ -201,8 +201,8 @@ _KEY_LIST: list[DsKey] = [
     _accept("optimizer.params.torch_adam", "zpp's Adam is torch's", _bool),
     _refuse_flag("optimizer.params.bias_correction", "torch's Adam always corrects the bias (the 1-bit "
                  "optimizers take false)", default=True),
-    _refuse("optimizer.params.max_grad_norm", "DeepSpeed ignores it too; use gradient_clipping", _num(lo=0),
-            _is(0, 0.0), "0"),
+    _accept("optimizer.params.max_grad_norm", "ignored, as DeepSpeed ignores it: gradient_clipping clips",
+            _num(lo=0)),
     _accept("optimizer.legacy_fusion", "zpp has one Adam", _bool),
     _impl("scheduler", "TrainConfig.scheduler", _dict, nullable=True, section=True),
     _impl("scheduler.type", "SchedulerConfig.type: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, "

@@ -239,6 +239,7 @@ class Init:
             return self
         if getattr(_STATE, "init", None) is not None:
             raise RuntimeError("zpp.zero.Init: contexts do not nest")
+        _ = self.world  # the transport now: DeepSpeed's Init initializes distributed on entering
         _STATE.init = self
         for cls in _all_module_classes():
             self._wrap(cls)

@@ -21,7 +21,12 @@ Every parameter partitioned by :class:`zpp.zero.Init` or held by a stage-3 engin
 * ``ds_id``: a number unique in the process, given in construction order and kept for the
   parameter's life; ``ds_persist``: the parameter stays whole between uses (below
   ``stage3_param_persistence_threshold``); ``ds_active_sub_modules``: an empty set (zpp
-  counts users per unit, not per parameter).
+  counts users per unit, not per parameter);
+* ``all_gather()`` / ``partition()``: a read-only :class:`~zpp.zero.GatheredParameters`
+  block split in two calls (collective): the parameter (in an engine, its unit) is whole from
+  ``all_gather()`` to ``partition()``, which drops what changed meanwhile, as DeepSpeed's
+  does by default; ``has_been_updated=True`` and ``free_data=False`` are refused (a change
+  to keep is made inside ``GatheredParameters(params, modifier_rank=r)``).
 
 The values are plain attributes written at the transitions (a pointer store per
 parameter per gather, like the class swap of [Note: parameter access]); they describe the
@@ -77,12 +82,38 @@ def describe(p: torch.nn.Parameter, *, numel: int, shape: torch.Size, partition:
     p.partition_numel = _method(p, lambda q: q.ds_tensor.numel())
     p.padding_size = _method(p, lambda q: padding)
     p.ds_summary = _method(p, _summary)
+    p.all_gather = _method(p, _all_gather)
+    p.partition = _method(p, _partition)
 
 
-def _method(p: torch.nn.Parameter, fn: Callable[[torch.nn.Parameter], object]) -> Callable[[], object]:
+def _all_gather(p: torch.nn.Parameter, param_list=None, async_op: bool = False, hierarchy: int = 0) -> None:
+    from zpp.zero.gathered import GatheredParameters
+
+    if param_list is not None and any(q is not p for q in param_list):
+        raise NotImplementedError("param.all_gather(param_list=...): gather several parameters with "
+                                  "zpp.zero.GatheredParameters(params)")
+    if "_zpp_gathered" not in p.__dict__:
+        block = GatheredParameters([p], modifier_rank=None)
+        block.__enter__()
+        p._zpp_gathered = block
+
+
+def _partition(p: torch.nn.Parameter, param_list=None, hierarchy: int = 0, has_been_updated: bool = False,
+               free_data: bool = True) -> None:
+    if has_been_updated or not free_data:
+        raise NotImplementedError(
+            f"param.partition(has_been_updated={has_been_updated}, free_data={free_data}): zpp drops the gathered "
+            "values at partition(); to keep a change, make it inside zpp.zero.GatheredParameters(params, "
+            "modifier_rank=r)")
+    block = p.__dict__.pop("_zpp_gathered", None)
+    if block is not None:
+        block.__exit__(None, None, None)
+
+
+def _method(p: torch.nn.Parameter, fn: Callable[..., object]) -> Callable[..., object]:
     """``fn`` bound to ``p`` without a reference cycle (the parameter stays collectable)."""
     ref = weakref.ref(p)
-    return lambda: fn(ref())
+    return lambda *args, **kwargs: fn(ref(), *args, **kwargs)
 
 
 def set_status(params: Iterable[torch.nn.Parameter], status: ZeroParamStatus) -> None:

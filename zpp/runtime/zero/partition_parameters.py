@@ -34,9 +34,13 @@ from zpp.zero.gathered import GatheredParameters
 from zpp.zero.init import Init, register_external_parameter, unregister_external_parameter
 from zpp.zero.param_attrs import ZeroParamStatus, ZeroParamType
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "get_accelerator",
-           "register_external_parameter", "unregister_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "ZeroParamType",
+           "get_accelerator", "partitioned_param_data_shape", "register_external_parameter",
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+
+#: The shape of a partitioned parameter's own data: an empty placeholder (the values live in
+#: ``ds_tensor``), as in DeepSpeed.
+partitioned_param_data_shape = [0]
 
 _orig_torch_empty = torch.empty
 _orig_torch_zeros = torch.zeros
@@ -59,3 +63,15 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
         return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
 
     return make
+
+
+class MultipleAllGatherHandles:
+    """Several started gathers waited on as one (DeepSpeed's name): ``wait(**kwargs)`` waits on
+    each handle in order, passing the keyword arguments on (``handle_dependency=``)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, **kwargs: Any) -> None:
+        for handle in self.handles:
+            handle.wait(**kwargs)
