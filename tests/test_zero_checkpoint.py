@@ -361,3 +361,50 @@ def test_deepspeed_arguments(tmp_path):
     meta = json.loads((tmp_path / "nofrozen" / "global_step3" / "meta.json").read_text())
     assert meta["excluded_frozen"] == ["frozen.weight", "frozen.bias"], meta["excluded_frozen"]
     assert not any(n.startswith("frozen.") for n in read_parameters(tmp_path / "nofrozen" / "global_step3"))
+
+
+class _CountingSGD(torch.optim.SGD):
+    """A client optimizer with per-tensor state beside the per-element momentum: a Python int
+    and a one-element tensor per parameter (as DeepSpeed's hybrid-state test optimizer)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["count"] = st.get("count", 0) + 1
+                st["tstep"] = st.get("tstep", torch.zeros(1)) + 0.5
+        return out
+
+
+def _per_tensor_state(t, root, stage):
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 11), torch.nn.Linear(11, 3))
+        opt = _CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+        return zz.initialize(model=model, optimizer=opt, config=cfg, transport=t)[0]
+
+    engine = build()
+    for step in range(3):
+        engine.backward(engine(torch.randn(2, 10, generator=torch.Generator().manual_seed(step))).sum())
+        engine.step()
+    engine.save_checkpoint(root, tag="t")
+    want = [dict(s) for s in engine.optimizer.state.values()]
+    engine.close()
+    fresh = build()
+    fresh.load_checkpoint(root, tag="t")
+    got = [dict(s) for s in fresh.optimizer.state.values()]
+    fresh.close()
+    return want, got
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_client_optimizer_per_tensor_state_round_trip(tmp_path, stage):
+    for want, got in run_world(_per_tensor_state, 2, args=(str(tmp_path), stage), timeout=120):
+        assert len(want) == len(got) > 0
+        for a, b in zip(want, got):
+            assert sorted(a) == sorted(b) == ["count", "momentum_buffer", "tstep"]
+            assert a["count"] == b["count"] == 3 and torch.equal(a["tstep"], b["tstep"]) and a["tstep"].shape == (1,)
+            assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])

@@ -358,7 +358,9 @@ def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, 
     for k, v in parts[0].items():
         if k == "values":
             continue
-        if isinstance(v, torch.Tensor) and v.dim() == 1 and all(isinstance(p.get(k), torch.Tensor) for p in parts):
+        per_element = all(isinstance(p.get(k), torch.Tensor) and p[k].dim() == 1 and p[k].numel() == slot.numel
+                          for p, slot in zip(parts, lay.slots, strict=True))
+        if per_element:  # else per-tensor (Adam's step; a client optimizer's 1-element counter): as saved
             full = torch.zeros(lay.padded_numel, dtype=v.dtype)
             full[:lay.numel] = torch.cat([p[k] for p in parts])
             state[k] = full[lay.owned(f.rank)].clone().to(f.master.device)
