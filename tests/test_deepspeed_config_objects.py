@@ -98,6 +98,14 @@ def test_deepspeed_config_object(tmp_path):
         assert c.train_config.zero.stage == 3 and c.gradient_allreduce_op == "mean"
     with pytest.raises(ValueError, match="train_batch_size"):
         DeepSpeedConfig({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1})
+    # DeepSpeed's batch resolution on the object's own values: two of three given, AssertionError on a mismatch
+    c = DeepSpeedConfig(cfg)
+    c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps = 12, 3, None
+    c._configure_train_batch_size()
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (12, 3, 4)
+    c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps = 12, 5, 2
+    with pytest.raises(AssertionError, match="train_batch_size=12"):
+        c._configure_train_batch_size()
     with pytest.raises(NotImplementedError, match="mpu"):
         DeepSpeedConfig(cfg, mpu=object())
     with pytest.raises(ValueError, match="nothing.json"):

@@ -100,6 +100,24 @@ class DeepSpeedConfig:
         self.activation_checkpointing_config = cfg.activation_checkpointing
         self.monitor_config = cfg.monitor
 
+    def _configure_train_batch_size(self) -> None:
+        """DeepSpeed's: resolve ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
+        ``gradient_accumulation_steps`` as set on this object (any two determine the third)
+        for the world; ``AssertionError`` when they disagree, as DeepSpeed's does."""
+        import dataclasses
+
+        given = dataclasses.replace(self.train_config, train_batch_size=self.train_batch_size,
+                                    train_micro_batch_size_per_gpu=self.train_micro_batch_size_per_gpu,
+                                    gradient_accumulation_steps=self.gradient_accumulation_steps)
+        try:
+            cfg = given.with_world(self.world_size)
+        except ValueError as e:
+            raise AssertionError(str(e)) from e
+        self.train_config = cfg
+        self.train_batch_size = cfg.train_batch_size
+        self.train_micro_batch_size_per_gpu = cfg.train_micro_batch_size_per_gpu
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+
     def print(self, name: str) -> None:
         """Log the config's attributes, as DeepSpeed's ``print``."""
         from zpp.utils.logging import logger
