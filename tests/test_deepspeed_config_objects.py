@@ -106,6 +106,9 @@ def test_deepspeed_config_object(tmp_path):
     c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps = 12, 5, 2
     with pytest.raises(AssertionError, match="train_batch_size=12"):
         c._configure_train_batch_size()
+    c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps = None, None, 2
+    with pytest.raises(AssertionError, match="alone sets no batch"):
+        c._configure_train_batch_size()
     with pytest.raises(NotImplementedError, match="mpu"):
         DeepSpeedConfig(cfg, mpu=object())
     with pytest.raises(ValueError, match="nothing.json"):
