@@ -126,6 +126,27 @@ def _rank_main(t, args):
                         json.dump(run, f, indent=1)
 
 
+def table(paths: list[str]) -> str:
+    """A markdown table of the study JSONs at ``paths``: per size, seed and setting the
+    equal-token loss over DDP's, the steps to DDP's final loss, the link bytes over DDP's
+    and the estimated 10 Mbit speed-up (:func:`time_at_link`)."""
+    lines = ["| size (params) | seed | setting | DDP loss @400 | loss / DDP's | steps to DDP's loss | "
+             "link bytes / DDP's | 10 Mbit: DDP's time / this (est.) |", "|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        ddp = {(r["size"], r["seed"]): r for r in rows if r["variant"] == "ddp"}
+        for r in rows:
+            if r["variant"] == "ddp":
+                continue
+            d = ddp[(r["size"], r["seed"])]
+            est = r.get("at_10mbit", {}).get("ddp_over_this")
+            lines.append(f"| {r['size']} ({r['params']:,}) | {r['seed']} | {r['setting']} | {d['final_loss']:.4f} | "
+                         f"{r['final_over_ddp']:.4f} | {r.get('steps_to_target') or '> %d' % r['steps']} | "
+                         f"1/{d['inter_bytes'] / r['inter_bytes']:.0f} | {'-' if est is None else format(est, '.0f')} |")
+    return "\n".join(lines)
+
+
 def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     trainlib.add_model_args(p, n_layer=4, n_embd=64, block=64, batch=8, steps=400, warmup=0)
@@ -135,6 +156,8 @@ def parser():
     p.add_argument("--sync-every", type=int, default=10, help="H, unless a setting names sync_every")
     p.add_argument("--inner-stage", type=int, default=2)
     p.add_argument("--window", type=int, default=20)
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="only print a markdown table of earlier runs")
     p.add_argument("--extra-steps", type=int, default=200,
                    help="steps the hierarchical runs train beyond DDP's (to reach DDP's final loss)")
     return p
@@ -143,6 +166,9 @@ def parser():
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
         args.seeds = [int(s) for s in args.seeds.split(",") if s]

@@ -18,6 +18,7 @@ On 2 nodes x 2 gloo ranks (the streaming and resume world under MPI too), agains
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from tests.test_zero_engine import _batches, _build, _rel, train_steps
 from zpp.zero.config import OuterConfig, TrainConfig, ZppConfig
 from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.outer import Schedule, build_outer_reduce, cut
+from zpp.zero.outer_config import outer_lr_rule
 
 NODES, PER_NODE = 2, 2
 LR = 3e-3
@@ -194,7 +196,7 @@ def _equivalences(t):
         t.rank, batches, steps, H, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.0),
         {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     for stage in (1, 2, 3):
-        e = _engine(t, _cfg(stage, {"sync_every": H}))
+        e = _engine(t, _cfg(stage, {"sync_every": H, "lr": 0.7}))
         losses = train_steps(e, batches[t.rank])
         state = e.consolidated_state_dict()
         mem = e.model_state_bytes()
@@ -571,7 +573,7 @@ def test_outer_config_errors_name_the_key():
 
     cfg = ds({"sync_every": 50, "compression": "int4", "fragments": 4, "delay": 2})
     assert cfg.zpp.outer == OuterConfig(sync_every=50, compression="int4", fragments=4, delay=2)
-    assert (cfg.zpp.outer.outer_lr, cfg.zpp.outer.outer_momentum) == (0.7, 0.9)
+    assert (cfg.zpp.outer.outer_lr, cfg.zpp.outer.outer_momentum) == (pytest.approx(outer_lr_rule(50)), 0.9)
     assert OuterConfig(method="average").outer_lr == 1.0 and OuterConfig(method="sgd").outer_momentum == 0.0
     for bad, match in (({"sync_every": 0}, r"zpp\.outer\.sync_every=0"),
                        ({"sync_every": 4, "delay": 4}, r"zpp\.outer\.delay=4"),
@@ -587,6 +589,25 @@ def test_outer_config_errors_name_the_key():
     with pytest.raises(NotImplementedError, match="OneBitAdam with zpp.outer"):
         TrainConfig(optimizer=zz.OptimizerConfig(type="onebitadam"), zpp=ZppConfig(outer=OuterConfig()))
     assert dataclasses.replace(ZppConfig(outer={"sync_every": 3}), transport="mpi").outer.sync_every == 3
+
+
+def test_outer_lr_rule():
+    """The default "diloco" outer lr against [Note: the outer lr rule]: 0.2 up to H = 10,
+    DiLoCo's 0.7 from H = 100, geometric in between; an explicit lr and the other methods
+    are left alone."""
+    for H in (1, 5, 10):
+        assert outer_lr_rule(H) == 0.2 and OuterConfig(sync_every=H).outer_lr == 0.2
+    for H in (100, 500):
+        assert outer_lr_rule(H) == 0.7 and OuterConfig(sync_every=H).outer_lr == 0.7
+    for H in (11, 20, 31, 50, 99):
+        assert outer_lr_rule(H) == pytest.approx(0.2 * 3.5 ** math.log10(H / 10), rel=1e-12), H
+    assert outer_lr_rule(50) == pytest.approx(0.4801, abs=1e-4)
+    lrs = [outer_lr_rule(H) for H in range(1, 150)]
+    assert lrs == sorted(lrs)  # never decreasing in H, continuous at both ends
+    assert abs(outer_lr_rule(11) - 0.2) < 0.02 and abs(outer_lr_rule(99) - 0.7) < 0.02
+    assert OuterConfig(sync_every=5, lr=0.5).outer_lr == 0.5
+    assert OuterConfig(sync_every=5, method="sgd").outer_lr == 1.0
+    assert OuterConfig(sync_every=5, method="average").outer_lr == 1.0
 
 
 def test_outer_step_is_torch_sgd():
