@@ -517,10 +517,50 @@ def _reduces(t):
             out["1bit-restored"] = bool(torch.equal(a, b))
             red.load_state_dict(saved)  # rewind: the sequence goes on as without the extra call
     out["1bit-errors"] = (errs[0], errs[-1], float(exact.abs().mean()))
+    out["topk"] = _topk_against_reference(t, inter, x_of, n, gs)
     t.counters.reset()
     red(mine.clone())
     out["1bit-bytes"] = t.counters.snapshot()[red.counter].inter_bytes
     return out
+
+
+def _topk_reference(x: torch.Tensor, error: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the rank sends, decoded; its new error) by a plain sort: the k largest |x + e|,
+    int8 codes over max/127."""
+    acc = x + error
+    keep = torch.argsort(acc.abs(), descending=True)[:k]
+    scale = float(acc[keep].abs().max()) / 127.0
+    sent = torch.zeros_like(acc)
+    sent[keep] = torch.round(acc[keep] / torch.tensor(scale, dtype=torch.float32)).clamp(-127, 127) * torch.tensor(
+        scale, dtype=torch.float32)
+    return sent, acc - sent
+
+
+def _topk_against_reference(t, inter, x_of, n, gs):
+    from zpp.zero.outer.reduce import SparseMean, sparse_frame_bytes
+
+    peers = list(inter.ranks)
+    red = build_outer_reduce("topk", inter, n, gs)
+    assert isinstance(red, SparseMean) and red.k == -(-n // 64)
+    errors = {r: torch.zeros(n) for r in peers}
+    res = {"wrong": [], "bytes": []}
+    for call in range(3):
+        sends = {}
+        for r in peers:
+            sends[r], errors[r] = _topk_reference(x_of(r, call), errors[r], red.k)
+        expect = sum(sends.values()) / len(peers)
+        t.counters.reset()
+        y = red(x_of(t.rank, call).clone())
+        st = t.counters.snapshot()[red.counter]
+        res["bytes"].append((st.inter_bytes, st.intra_bytes, (len(peers) - 1) * sparse_frame_bytes(red.k)))
+        res["wrong"].append((float((y - expect).abs().max()), float((red.error - errors[t.rank]).abs().max()),
+                             int((sends[t.rank] != 0).sum()), int((y != 0).sum())))
+        if call == 1:
+            saved = red.state_dict()
+            twin = build_outer_reduce("topk", inter, n, gs)
+            twin.load_state_dict(saved)
+            res["restored"] = bool(torch.equal(twin.error, red.error))
+    return res
 
 
 @pytest.mark.timeout(120)
@@ -542,6 +582,17 @@ def test_outer_all_reduce_compressed():
         # residual is repaid, not lost: about 1/T)
         assert last < first / 4 and last < 0.2 * scale, r["1bit-errors"]
         assert r["1bit-bytes"] < 0.05 * r["none"][2], (r["1bit-bytes"], r["none"][2])
+        # topk: the same mean as the plain reference on every call (error feedback carried
+        # exactly: the rank's error buffer equals the reference's), k entries per rank, and
+        # (N-1) frames of 5k + 4 bytes on the wire, nothing inside the node
+        k = -(-n // 64)
+        for call, (err, eerr, sent, nonzero) in enumerate(r["topk"]["wrong"]):
+            assert err < 1e-6 and eerr < 1e-6, (rank, call, err, eerr)
+            assert sent == k and k <= nonzero <= NODES * k, (rank, call, sent, nonzero)
+        for inter, intra, expect in r["topk"]["bytes"]:
+            assert (inter, intra) == (expect, 0) and expect == (NODES - 1) * (5 * k + 4), r["topk"]["bytes"]
+        assert r["topk"]["bytes"][0][0] < 0.16 * r["int4"][2]  # 5N/64 of int4's at N = 2 nodes (+ its scales)
+        assert r["topk"]["restored"], rank
 
 
 # ---------------------------------------------------------------------- no world

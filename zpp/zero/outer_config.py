@@ -30,7 +30,7 @@ from zpp.zero.checks import check_bool, check_choice, check_int, check_number, f
 __all__ = ["OUTER_COMPRESSIONS", "OUTER_METHODS", "OuterConfig", "outer_lr_rule"]
 
 OUTER_METHODS = ("diloco", "sgd", "average")
-OUTER_COMPRESSIONS = ("none", "int8", "int4", "1bit")
+OUTER_COMPRESSIONS = ("none", "int8", "int4", "1bit", "topk")
 
 #: (H, lr) at the two measured ends of [Note: the outer lr rule]
 SHORT_H, SHORT_LR = 10, 0.2
@@ -70,11 +70,13 @@ class OuterConfig:
     take only None or 0 (Default: None)."""
     nesterov: bool = True
     """"diloco": Nesterov momentum (DiLoCo's), else heavy-ball (Default: True)."""
-    compression: Literal["none", "int8", "int4", "1bit"] = "none"
+    compression: Literal["none", "int8", "int4", "1bit", "topk"] = "none"
     """How the pseudo-gradient crosses the nodes: "none": an fp32 all-reduce; "int8" /
     "int4": a group-quantized reduce-scatter, then a quantized all-gather of the mean;
     "1bit": the 1-bit all-reduce with error feedback (:mod:`zpp.comm.onebit`), whose error
-    buffers are checkpointed (Default: "none")."""
+    buffers are checkpointed; "topk": the largest 1/64 of the entries as int32 index + int8
+    value with error feedback, all-gathered (:class:`~zpp.zero.outer.reduce.SparseMean`)
+    (Default: "none")."""
     group_size: int = 2048
     """int8 / int4: elements per fp32 scale (Default: 2048)."""
     fragments: int = 1
