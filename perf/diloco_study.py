@@ -50,7 +50,10 @@ def parse_setting(text: str) -> tuple[str, dict]:
         k, _, v = kv.partition("=")
         if not _:
             raise ValueError(f"setting {text!r}: {kv!r} is not key=value")
-        out[k] = json.loads(v) if v not in ("none", "int8", "int4", "1bit", "diloco", "sgd", "average") else v
+        try:
+            out[k] = json.loads(v)
+        except ValueError:  # a name: "int4", "topk", "average", ...
+            out[k] = v
     return name, out
 
 
