@@ -15,7 +15,8 @@ Without an explicit ``lr`` the "diloco" method therefore takes
 
 Measured: 0.2 at H = 5 and 10 here, 0.7 by the DiLoCo paper; the geometric bridge is not
 measured, and neither is H < 5 beyond one case (H = 2 and 3 at lr 0.2 ended worse than
-H = 5). The rule is for the default momentum 0.9: with another ``momentum`` set ``lr`` as
+H = 5). It has no term in the number of nodes: at 4 nodes H = 5 with lr 0.2 ended 9.3%
+above DDP on the 0.8M GPT (one seed). The rule is for the default momentum 0.9: with another ``momentum`` set ``lr`` as
 well (lr 1.0 with momentum 0.6 ended 11% above DDP at H = 10).
 """
 from __future__ import annotations
