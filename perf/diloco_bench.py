@@ -54,6 +54,10 @@ LR = 1e-3
 
 
 def _outer(args) -> dict:
+    """The ``zpp.outer`` section: ``args.outer_config`` when set (perf/diloco_study.py), else
+    from the command line's options."""
+    if getattr(args, "outer_config", None) is not None:
+        return dict(args.outer_config)
     return {"method": args.outer_method, "sync_every": args.sync_every, "fragments": args.fragments,
             "delay": args.delay, "compression": args.outer_compression, "lr": args.outer_lr,
             "momentum": args.outer_momentum}
@@ -118,6 +122,10 @@ def _run(t, name, seed, args, data) -> dict:
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
     eth1 = trainlib.eth_counters()  # the link's bytes over the same span as the time curve
+    if engine is not None and engine.outer is not None:
+        # finish the sync in flight before the collectives below: with one rank per node the
+        # outer sync's inter-node transport is the job world's own group (zpp.comm.topology)
+        engine.outer.wait()
     snap = t.counters.snapshot()  # before the gathers below
     t.barrier()
     eth = trainlib.node_eth_per_step(t, eth0, eth1, args.steps)

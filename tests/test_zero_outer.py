@@ -18,6 +18,7 @@ On 2 nodes x 2 gloo ranks (the streaming and resume world under MPI too), agains
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from tests.test_zero_engine import _batches, _build, _rel, train_steps
 from zpp.zero.config import OuterConfig, TrainConfig, ZppConfig
 from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.outer import Schedule, build_outer_reduce, cut
+from zpp.zero.outer_config import outer_lr_rule
 
 NODES, PER_NODE = 2, 2
 LR = 3e-3
@@ -194,7 +196,7 @@ def _equivalences(t):
         t.rank, batches, steps, H, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.0),
         {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     for stage in (1, 2, 3):
-        e = _engine(t, _cfg(stage, {"sync_every": H}))
+        e = _engine(t, _cfg(stage, {"sync_every": H, "lr": 0.7}))
         losses = train_steps(e, batches[t.rank])
         state = e.consolidated_state_dict()
         mem = e.model_state_bytes()
@@ -515,10 +517,50 @@ def _reduces(t):
             out["1bit-restored"] = bool(torch.equal(a, b))
             red.load_state_dict(saved)  # rewind: the sequence goes on as without the extra call
     out["1bit-errors"] = (errs[0], errs[-1], float(exact.abs().mean()))
+    out["topk"] = _topk_against_reference(t, inter, x_of, n, gs)
     t.counters.reset()
     red(mine.clone())
     out["1bit-bytes"] = t.counters.snapshot()[red.counter].inter_bytes
     return out
+
+
+def _topk_reference(x: torch.Tensor, error: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the rank sends, decoded; its new error) by a plain sort: the k largest |x + e|,
+    int8 codes over max/127."""
+    acc = x + error
+    keep = torch.argsort(acc.abs(), descending=True)[:k]
+    scale = float(acc[keep].abs().max()) / 127.0
+    sent = torch.zeros_like(acc)
+    sent[keep] = torch.round(acc[keep] / torch.tensor(scale, dtype=torch.float32)).clamp(-127, 127) * torch.tensor(
+        scale, dtype=torch.float32)
+    return sent, acc - sent
+
+
+def _topk_against_reference(t, inter, x_of, n, gs):
+    from zpp.zero.outer.reduce import SparseMean, sparse_frame_bytes
+
+    peers = list(inter.ranks)
+    red = build_outer_reduce("topk", inter, n, gs)
+    assert isinstance(red, SparseMean) and red.k == -(-n // 64)
+    errors = {r: torch.zeros(n) for r in peers}
+    res = {"wrong": [], "bytes": []}
+    for call in range(3):
+        sends = {}
+        for r in peers:
+            sends[r], errors[r] = _topk_reference(x_of(r, call), errors[r], red.k)
+        expect = sum(sends.values()) / len(peers)
+        t.counters.reset()
+        y = red(x_of(t.rank, call).clone())
+        st = t.counters.snapshot()[red.counter]
+        res["bytes"].append((st.inter_bytes, st.intra_bytes, (len(peers) - 1) * sparse_frame_bytes(red.k)))
+        res["wrong"].append((float((y - expect).abs().max()), float((red.error - errors[t.rank]).abs().max()),
+                             int((sends[t.rank] != 0).sum()), int((y != 0).sum())))
+        if call == 1:
+            saved = red.state_dict()
+            twin = build_outer_reduce("topk", inter, n, gs)
+            twin.load_state_dict(saved)
+            res["restored"] = bool(torch.equal(twin.error, red.error))
+    return res
 
 
 @pytest.mark.timeout(120)
@@ -540,6 +582,17 @@ def test_outer_all_reduce_compressed():
         # residual is repaid, not lost: about 1/T)
         assert last < first / 4 and last < 0.2 * scale, r["1bit-errors"]
         assert r["1bit-bytes"] < 0.05 * r["none"][2], (r["1bit-bytes"], r["none"][2])
+        # topk: the same mean as the plain reference on every call (error feedback carried
+        # exactly: the rank's error buffer equals the reference's), k entries per rank, and
+        # (N-1) frames of 5k + 4 bytes on the wire, nothing inside the node
+        k = -(-n // 64)
+        for call, (err, eerr, sent, nonzero) in enumerate(r["topk"]["wrong"]):
+            assert err < 1e-6 and eerr < 1e-6, (rank, call, err, eerr)
+            assert sent == k and k <= nonzero <= NODES * k, (rank, call, sent, nonzero)
+        for inter, intra, expect in r["topk"]["bytes"]:
+            assert (inter, intra) == (expect, 0) and expect == (NODES - 1) * (5 * k + 4), r["topk"]["bytes"]
+        assert r["topk"]["bytes"][0][0] < 0.16 * r["int4"][2]  # 5N/64 of int4's at N = 2 nodes (+ its scales)
+        assert r["topk"]["restored"], rank
 
 
 # ---------------------------------------------------------------------- no world
@@ -571,7 +624,7 @@ def test_outer_config_errors_name_the_key():
 
     cfg = ds({"sync_every": 50, "compression": "int4", "fragments": 4, "delay": 2})
     assert cfg.zpp.outer == OuterConfig(sync_every=50, compression="int4", fragments=4, delay=2)
-    assert (cfg.zpp.outer.outer_lr, cfg.zpp.outer.outer_momentum) == (0.7, 0.9)
+    assert (cfg.zpp.outer.outer_lr, cfg.zpp.outer.outer_momentum) == (pytest.approx(outer_lr_rule(50)), 0.9)
     assert OuterConfig(method="average").outer_lr == 1.0 and OuterConfig(method="sgd").outer_momentum == 0.0
     for bad, match in (({"sync_every": 0}, r"zpp\.outer\.sync_every=0"),
                        ({"sync_every": 4, "delay": 4}, r"zpp\.outer\.delay=4"),
@@ -587,6 +640,25 @@ def test_outer_config_errors_name_the_key():
     with pytest.raises(NotImplementedError, match="OneBitAdam with zpp.outer"):
         TrainConfig(optimizer=zz.OptimizerConfig(type="onebitadam"), zpp=ZppConfig(outer=OuterConfig()))
     assert dataclasses.replace(ZppConfig(outer={"sync_every": 3}), transport="mpi").outer.sync_every == 3
+
+
+def test_outer_lr_rule():
+    """The default "diloco" outer lr against [Note: the outer lr rule]: 0.2 up to H = 10,
+    DiLoCo's 0.7 from H = 100, geometric in between; an explicit lr and the other methods
+    are left alone."""
+    for H in (1, 5, 10):
+        assert outer_lr_rule(H) == 0.2 and OuterConfig(sync_every=H).outer_lr == 0.2
+    for H in (100, 500):
+        assert outer_lr_rule(H) == 0.7 and OuterConfig(sync_every=H).outer_lr == 0.7
+    for H in (11, 20, 31, 50, 99):
+        assert outer_lr_rule(H) == pytest.approx(0.2 * 3.5 ** math.log10(H / 10), rel=1e-12), H
+    assert outer_lr_rule(50) == pytest.approx(0.4801, abs=1e-4)
+    lrs = [outer_lr_rule(H) for H in range(1, 150)]
+    assert lrs == sorted(lrs)  # never decreasing in H, continuous at both ends
+    assert abs(outer_lr_rule(11) - 0.2) < 0.02 and abs(outer_lr_rule(99) - 0.7) < 0.02
+    assert OuterConfig(sync_every=5, lr=0.5).outer_lr == 0.5
+    assert OuterConfig(sync_every=5, method="sgd").outer_lr == 1.0
+    assert OuterConfig(sync_every=5, method="average").outer_lr == 1.0
 
 
 def test_outer_step_is_torch_sgd():
