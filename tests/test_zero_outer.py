@@ -684,3 +684,35 @@ def test_outer_step_is_torch_sgd():
     assert torch.allclose(merged, 0.25 * w + 0.75 * a)
     x = torch.randn(10, generator=g)
     assert torch.equal(build_outer_reduce("int4", SingleRankTransport(0, 0), 10, 2)(x.clone()), x)
+
+
+def _user_collectives(t):
+    """One rank per node and a background sync (delay 1): the script's own collectives on the
+    job's world (an averaged loss, a barrier) between steps, while a sync is in flight."""
+    outer = {"sync_every": 2, "fragments": 2, "delay": 1, "compression": "none"}
+    batches = _batches("gpt", t.rank, 8)
+    out = {}
+    for talk in (False, True):
+        engine = _engine(t, _cfg(0, outer))
+        losses = []
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            if talk:
+                mean = loss.detach().reshape(1).clone()
+                t.all_reduce(mean)
+                t.barrier()
+            losses.append(loss.item())
+        stats = engine.outer.stats
+        out[talk] = (losses, stats.started - stats.foreground)
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=needs_mpi)])
+def test_background_sync_beside_the_scripts_own_collectives(backend):
+    for r in run_world(_user_collectives, NODES, backend=backend, ranks_per_node=1, timeout=100):
+        (quiet, bg_quiet), (talking, bg_talking) = r[False], r[True]
+        assert bg_quiet > 0 and bg_talking == bg_quiet  # the syncs ran in the background both times
+        assert talking == quiet  # the script's collectives change nothing

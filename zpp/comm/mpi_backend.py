@@ -316,8 +316,16 @@ class MpiTransport(Transport):
         sub = self.comm.Split(0 if self.rank in members else MPI.UNDEFINED, self.rank)
         if sub == MPI.COMM_NULL:
             return None
+        return self._over(sub, members)
+
+    def duplicate(self) -> MpiTransport:
+        self.barrier()  # as in _subgroup: a dead peer raises here, not in Dup
+        return self._over(self.comm.Dup(), tuple(range(self.world_size)))
+
+    def _over(self, comm, members: tuple[int, ...]) -> MpiTransport:
+        """A transport of these settings over ``comm``, whose ranks are ``members`` of this one."""
         return MpiTransport(
-            sub,
+            comm,
             ranks=[self.ranks[m] for m in members],
             nodes=[self.nodes[m] for m in members],
             counters=self.counters,

@@ -50,3 +50,6 @@ class SingleRankTransport(Transport):
 
     def _subgroup(self, members: tuple[int, ...]) -> Transport:
         return self
+
+    def duplicate(self) -> Transport:
+        return self  # one rank: no collective ever runs

@@ -375,6 +375,15 @@ class TorchTransport(Transport):
             return None
         return self._child(group, members, _Reverse(reverse))
 
+    def duplicate(self) -> TorchTransport:
+        if self.world_size != dist.get_world_size():  # as for _subgroup: new_group needs every rank
+            raise NotImplementedError(f"TorchTransport.duplicate: only the world transport can, not {self!r}")
+        group = self._new_group(list(self.ranks))
+        reverse = None
+        if self.world_size > 1 and self.gloo_duplex and "gloo" in self.backend:
+            reverse = self._new_group(list(self.ranks))
+        return self._child(group, tuple(range(self.world_size)), _Reverse(reverse))
+
     def _child(
         self, group: dist.ProcessGroup, members: tuple[int, ...], reverse: _Reverse | None = None
     ) -> TorchTransport:

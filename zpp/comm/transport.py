@@ -186,6 +186,13 @@ class Transport(abc.ABC):
             raise ValueError(f"subgroup members {list(members)} invalid for world_size={self.world_size}")
         return self._subgroup(m)
 
+    def duplicate(self) -> Transport:
+        """A transport over the same ranks with a communicator of its own (collective: every
+        rank calls it): its collectives never interleave with this one's, so another thread
+        may run them meanwhile (the hierarchical mode's background sync with one rank per
+        node, whose inter-node ranks are the whole world)."""
+        raise NotImplementedError(f"{type(self).__name__}.duplicate")
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``world_size * inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
         self._begin("all_gather")

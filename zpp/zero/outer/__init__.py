@@ -45,4 +45,9 @@ def build_outer(engine) -> OuterSync | None:
     if cfg is None:
         return None
     topo = topology_of(engine.job_world)
-    return OuterSync(engine.units, cfg, topo.inter, node=topo.node)
+    inter = topo.inter
+    if 1 < inter.world_size == engine.job_world.world_size:
+        # one rank per node: the inter-node ranks are the whole world, whose communicator the
+        # torch transport shares with them; the sync gets its own (see [Note: background outer sync])
+        inter = engine.job_world.duplicate()
+    return OuterSync(engine.units, cfg, inter, node=topo.node)

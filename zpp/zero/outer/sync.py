@@ -20,9 +20,12 @@ With ``delay`` > 0 a sync runs on one worker thread per engine while the next in
 compute; the transports have no non-blocking reduce-scatter or all-to-all, so the blocking
 collectives run there. This is safe because the inter-node transport is used by that thread
 alone after construction (the engine's own collectives run on the intra-node transport, and
-checkpoints on the job's world), and every rank submits its syncs in the same order (the
-schedule is a function of the step count), so the worker threads of the ranks of one
-``topology.inter`` group run the same collectives in the same order. The pseudo-gradient is
+checkpoints and the user's own collectives on the job's world; with one rank per node the
+inter-node ranks are the whole world, so the sync runs on a duplicate of the world with a
+communicator of its own, :meth:`~zpp.comm.transport.Transport.duplicate`), and every rank
+submits its syncs in the same order (the schedule is a function of the step count), so the
+worker threads of the ranks of one ``topology.inter`` group run the same collectives in the
+same order. The pseudo-gradient is
 copied into a fresh buffer before it is submitted, so the inner steps never touch what the
 thread reads; the result is read only after ``Future.result()``. An error in the thread
 (a lost peer) is raised by the step that lands the sync. Wire bytes are booked from both
