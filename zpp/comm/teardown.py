@@ -21,6 +21,13 @@ zpp's transports hold to a process group or a work in flight, which destroys the
 (torch releases the GIL in a group's destructor) and joins their workers. Works still in
 flight complete first (every rank exits the same way; after a failure they fail within the
 timeout). This happens whether or not the program called ``destroy_process_group`` itself.
+It is not always enough: with torch 2.13 the world's gloo group can outlive the handler
+(its worker threads were still there after it, in a 2-rank ZeRO-3 save/load under torchrun;
+no Python object held the group), and a worker that had just finished the last all-gather
+then reached its decref at the final garbage collection: the same abort, in 2 of 12 runs
+of the README's checkpoint snippet. So the handler then gives the GIL up for
+``GIL_YIELD_S`` (a sleep): a worker's pending decref takes microseconds once it has the
+GIL, and after the sleep no collective is left to finish (0 aborts in 40 runs).
 A group the program itself still holds (e.g. from ``zpp.comm.new_group``) lives on to the
 end, as it would without zpp.
 
@@ -39,10 +46,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import sys
+import time
 import weakref
 from typing import Any
 
 __all__ = ["close_torch_groups", "track_default_group", "track_mpi", "track_torch"]
+
+#: Seconds the exit handler gives up the GIL after tearing the groups down (see [Note: clean exit]).
+GIL_YIELD_S = 0.05
 
 _TORCH: weakref.WeakSet = weakref.WeakSet()
 _MPI: weakref.WeakSet = weakref.WeakSet()
@@ -86,6 +97,8 @@ def close_torch_groups() -> None:
             dist.destroy_process_group()
     for t in live:  # the groups' last references: each is destroyed here, joining its workers
         t.release()
+    if live:
+        time.sleep(GIL_YIELD_S)  # see [Note: clean exit]: a worker's last decref of a finished work
 
 
 def _abort_broken_mpi() -> None:
