@@ -20,11 +20,25 @@ DeepSpeed it is; these are theirs, not zpp's, and :func:`allow_cpu` steps around
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
+import time
 
 import torch
+
+
+def _yield_gil_at_exit() -> None:
+    """Give the GIL up briefly before the interpreter finalizes. torch 2.13's gloo workers drop
+    a finished collective's tensors after its ``wait()`` returned, which takes the GIL; one that
+    gets there during finalization aborts the process after correct results ("terminate
+    called without an active exception"; seen on the DDP reference runs, which have no zpp:
+    zpp's own groups get the same pause, see [Note: clean exit] in zpp/comm/teardown.py)."""
+    time.sleep(0.05)
+
+
+atexit.register(_yield_gil_at_exit)  # registered first, so it runs last
 
 VOCAB, SEQ = 1000, 32
 
