@@ -41,7 +41,6 @@ ADAM_W_MODE = "adam_w_mode"
 ADAM_W_MODE_DEFAULT = True
 
 
-
 class DeepSpeedConfig:
     """A DeepSpeed config (a dict or a JSON path) read as DeepSpeed 0.19.8 reads it, with its
     attribute names, for scripts that build one (``DeepSpeedConfig(config, mpu=None,
@@ -70,10 +69,7 @@ class DeepSpeedConfig:
         self._param_dict = dict(_load(config))
         self.global_rank, self.world_size = _rank_and_world()
         cfg = from_deepspeed(self._param_dict).with_world(self.world_size)
-        self.train_config = cfg
-        self.train_batch_size = cfg.train_batch_size
-        self.train_micro_batch_size_per_gpu = cfg.train_micro_batch_size_per_gpu
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._take_batch(cfg)
         self.steps_per_print = cfg.steps_per_print
         self.gradient_clipping = cfg.gradient_clipping
         self.prescale_gradients = bool(self._param_dict.get("prescale_gradients", False))
@@ -113,9 +109,12 @@ class DeepSpeedConfig:
                                     train_micro_batch_size_per_gpu=self.train_micro_batch_size_per_gpu,
                                     gradient_accumulation_steps=self.gradient_accumulation_steps)
         try:
-            cfg = given.with_world(self.world_size)
+            self._take_batch(given.with_world(self.world_size))
         except ValueError as e:
             raise AssertionError(str(e)) from e
+
+    def _take_batch(self, cfg) -> None:
+        """``cfg`` (batch sizes resolved) becomes ``train_config`` and the batch attributes."""
         self.train_config = cfg
         self.train_batch_size = cfg.train_batch_size
         self.train_micro_batch_size_per_gpu = cfg.train_micro_batch_size_per_gpu
