@@ -104,7 +104,8 @@ class DeepSpeedConfig:
 
         if self.train_batch_size is None and self.train_micro_batch_size_per_gpu is None:
             raise AssertionError("DeepSpeedConfig: give train_batch_size or train_micro_batch_size_per_gpu "
-                                 f"(gradient_accumulation_steps={self.gradient_accumulation_steps} alone sets no batch)")
+                                 f"(gradient_accumulation_steps={self.gradient_accumulation_steps} alone sets "
+                                 "no batch)")
         given = dataclasses.replace(self.train_config, train_batch_size=self.train_batch_size,
                                     train_micro_batch_size_per_gpu=self.train_micro_batch_size_per_gpu,
                                     gradient_accumulation_steps=self.gradient_accumulation_steps)

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DEFAULT_LEAF_MODULE_CLASSES", "apply_leaf_module_config", "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
-           "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
+__all__ = ["DEFAULT_LEAF_MODULE_CLASSES", "apply_leaf_module_config", "get_z3_leaf_modules", "set_z3_leaf_module",
+           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
 
 
 #: DeepSpeed 0.19.8's default ``zero_optimization.leaf_module.classes``: mixture-of-experts
