@@ -115,6 +115,9 @@ def _run_variant(t, name, args, data):
     if engine is not None:
         row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
         row["model_state_bytes"] = sum(engine.model_state_bytes().values())
+        # each unit's elements and whether it stays whole at stage 3 (for zpp/tune/cost.py)
+        row["units"] = [[u.layout.numel, not u.shards_params] for u in engine.units]
+        row["gather_trace"] = [[i, phase.value] for i, phase in engine._prefetch.trace() or ()]
         row["bytes_source"] = "counters"
         engine.close()
     else:

@@ -1,0 +1,184 @@
+"""The cost model (zpp/tune/cost.py): its formulas against cases computed by hand, and its
+bytes per step against the engine's wire counters on 2 nodes x 2 gloo ranks, exactly, for
+every ZeRO mode."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import zpp.zero as zz
+from tests.dist import run_world
+from tests.gpt import GPT, GPTConfig
+from zpp.tune import cost
+from zpp.tune.cost import LINKS, MODES, Cluster, Profile, UnitShape
+
+C22 = Cluster(nodes=2, ranks_per_node=2, intra=LINKS["loopback"], inter=LINKS["100mbit"])
+
+
+def _bytes(mode, units, cluster=C22):
+    t = cost.traffic(MODES[mode], units, cluster)
+    return t.inter_bytes, t.intra_bytes, t.node_link_bytes / cost.WIRE_OVERHEAD
+
+
+def test_stage3_by_hand():
+    # one unit of 8192 fp32 elements on 4 ranks: shard 2048 (8192 bytes); each rank sends its
+    # shard to 1 local and 2 remote peers per gather (forward, backward), 1/4 of the 32 KiB
+    # gradient to each peer, and 8 bytes of norm as an all-reduce: 2*8/4 = 4 to each peer
+    inter, intra, link = _bytes("zero3", [UnitShape(8192)])
+    assert (inter, intra) == (3 * 2 * 8192 + 2 * 4, 3 * 8192 + 4)
+    # the ring: each node sends W - 1 = 3 chunks per pass (not R (W - R) = 4)
+    assert link == 3 * (3 * 8192) + 2 * 3 * 2
+
+
+def test_stages_1_2_by_hand():
+    for mode in ("zero1", "zero2"):
+        inter, intra, _ = _bytes(mode, [UnitShape(8192)])
+        assert (inter, intra) == (2 * 2 * 8192 + 8, 2 * 8192 + 4)
+
+
+def test_zeropp_by_hand():
+    inter, intra, _ = _bytes("zero3-zeropp", [UnitShape(8192)])
+    # qwZ: 2048 int8 codes + one fp32 scale (group 2048) to each peer
+    q = 2048 + 4
+    # hpZ: the backward gathers the node's secondary shards, 8192 / 2 elements, to the local peer
+    hpz = 4096 * 4
+    # qgZ: hop 1 sends half of W * chunk = 8192 int4 codes (4096 B) and 4 scales (16 B) to the
+    # local peer; hop 2 half of N * chunk = 4096 codes (2048 B) and 2 scales to the remote peer
+    qgz_intra, qgz_inter = 4096 // 2 + 16 // 2, 2048 // 2 + 8 // 2
+    assert inter == 2 * q + qgz_inter + 8
+    assert intra == q + hpz + qgz_intra + 4
+
+
+def test_one_rank_per_node_and_one_node():
+    c41 = Cluster(4, 1, LINKS["loopback"], LINKS["1gbit"])
+    inter, intra, link = _bytes("zero3", [UnitShape(8192)], c41)
+    assert intra == 0 and inter == 3 * 3 * 8192 + 3 * 4 and link == inter  # ring == direct with R = 1
+    c14 = Cluster(1, 4, LINKS["loopback"], LINKS["1gbit"])
+    inter, intra, link = _bytes("zero3-zeropp", [UnitShape(8192)], c14)
+    assert inter == 0 and link == 0 and intra > 0
+
+
+def test_onebit_by_hand():
+    # 8192 elements on 4 ranks: chunks of 2048 -> frames of 256 sign bytes + a 4-byte scale; phase
+    # 1 sends a frame to every peer; phase 2 (2 nodes x 2) one to the remote peer of the same
+    # local rank and the node's 2 frames to the local peer; plus the 4-byte finiteness flag
+    inter, intra, _ = _bytes("onebit-adam", [UnitShape(8192)])
+    f = 256 + 4
+    assert inter == 2 * f + f + 2 * 2
+    assert intra == f + 2 * f + 2
+
+
+def test_outer_by_hand():
+    # 2 nodes x 2, H = 10, 4 fragments, int4: inner steps stay inside the node; a fragment of this
+    # rank's 1/R shard is 8192 / 2 / 4 = 1024 elements, reduced in int4 across the 2 nodes (hop 2
+    # only: one rank per node in the nodes' group) and gathered back in int4
+    psi = 8192
+    t = cost.traffic(MODES["outer-int4"], [UnitShape(psi)], C22)
+    frag = psi // 2 // 4
+    g = cost._group(2048, frag // 2)
+    per_sync = (frag * 4 // 8) // 2 + (frag // g * 4) // 2  # hop-2 all-to-all: codes + scales
+    per_sync += (frag // 2) * 4 // 8 + 4 * math.ceil((frag // 2) / g)  # all-gather of my half
+    assert t.inter_bytes == pytest.approx(4 * per_sync / 10)
+    inner = cost.traffic(MODES["zero2"], [UnitShape(psi)], Cluster(1, 2, LINKS["loopback"], LINKS["100mbit"]))
+    assert t.intra_bytes == pytest.approx(inner.intra_bytes)
+
+
+def test_time_by_hand():
+    one = cost.Call("x", intra=1000, inter=2_000_000, node_link=3_000_000, steps=3)
+    want = max(3 * LINKS["100mbit"].latency_s + 3_000_000 * cost.WIRE_OVERHEAD / 12.5e6,
+               3 * LINKS["loopback"].latency_s + 1000 / 2e9)
+    assert cost.call_time(one, C22) == pytest.approx(want)
+    step, comm = cost.step_time(cost.Traffic((one,)), C22, Profile(compute_s=2.0))
+    assert comm == pytest.approx(want) and step == pytest.approx(2.0 + want)
+    half, _ = cost.step_time(cost.Traffic((one,)), C22, Profile(compute_s=2.0, overlap=0.5))
+    assert half == pytest.approx(2.0 + want / 2)
+    p = Profile.from_flops(7_000_000_000, 1_000_000, peak_flops=1e15, mfu=0.5)
+    assert p.compute_s == pytest.approx(6 * 7e9 * 1e6 / 5e14)
+
+
+def test_memory_by_hand():
+    units = [UnitShape(8192)]
+    m3 = cost.memory(MODES["zero3"], units, C22)
+    assert m3["rest"] == 4 * 2048 + 8 * 2048          # shard + Adam moments of the shard
+    m1 = cost.memory(MODES["zero1"], units, C22)
+    assert m1["rest"] == 4 * 8192 + 8 * 2048
+    hpz = cost.memory(MODES["zero3-hpz"], units, C22)
+    assert hpz["peak"] - m3["peak"] == 4 * 8192 // 2  # the secondary: 1/R of the unit
+
+
+def test_modes_write_deepspeed_configs():
+    assert MODES["zero3-zeropp"].config(2) == {"zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}}
+    assert MODES["outer-int4"].config(2)["zpp"]["outer"]["compression"] == "int4"
+
+
+def test_bad_cluster_names_the_value():
+    with pytest.raises(ValueError, match="nodes"):
+        Cluster(0, 2, LINKS["loopback"], LINKS["1gbit"])
+
+
+# ------------------------------------------------------------------ against the counters
+STEPS = 2
+
+
+def _model():
+    """A GPT whose units (zpp.unit_min_numel 2000) include the blocks' leftovers (attention
+    projections and norms, 2,368 elements) as one unit of the ModuleList: gathered once per
+    block that uses it, so its gathers per step come from the trace, not from a rule."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=8))
+
+
+def _measure(t, modes, threshold):
+    out = {}
+    for name in modes:
+        mode = MODES[name]
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+               **mode.config(2)}
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+        cfg["zpp"] = {**cfg.get("zpp", {}), "unit_min_numel": 2000}
+        if mode.onebit:
+            cfg["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 1}}
+        engine, *_ = zz.initialize(model=_model(), config=cfg, transport=t)
+        g = torch.Generator().manual_seed(t.rank)
+
+        def step():
+            x = torch.randint(0, 128, (2, 8), generator=g)
+            engine.backward(engine(x, x))
+            engine.step()
+        step()
+        step()  # past a 1-bit optimizer's freeze step
+        t.counters.reset()
+        for _ in range(STEPS):
+            step()
+        total = t.counters.total()
+        units = [(u.layout.numel, not u.shards_params) for u in engine.units]
+        trace = [(i, phase.value) for i, phase in engine._prefetch.trace() or ()]
+        out[name] = (total.inter_bytes / STEPS, total.intra_bytes / STEPS, units, trace)
+        engine.close()
+    return out
+
+
+ZERO_MODES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp", "onebit-adam")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("threshold", [0, 1000])
+def test_bytes_equal_the_counters(threshold):
+    """Every mode's bytes per step, predicted from the engine's units alone, equal what the
+    transport counted: exact, inter- and intra-node, with and without persistent units."""
+    res = run_world(_measure, 4, ranks_per_node=2, args=(ZERO_MODES, threshold), timeout=200)[0]
+    assert set(res) == set(ZERO_MODES)
+    for name, (inter, intra, units, trace) in res.items():
+        assert inter > 0 and intra > 0, (name, inter, intra)
+        if MODES[name].stage == 3:
+            assert len(units) >= 3, units
+            assert max(sum(1 for i, _ in trace if i == k) for k in range(len(units))) > 2, trace
+        if threshold and MODES[name].stage == 3:
+            assert any(p for _, p in units) and not all(p for _, p in units), units
+        stage3 = MODES[name].stage == 3
+        shapes = cost.units_from_trace([n for n, _ in units], [p and stage3 for _, p in units], trace)
+        want = cost.traffic(MODES[name], shapes, C22)
+        assert (want.inter_bytes, want.intra_bytes) == (inter, intra), (name, units)

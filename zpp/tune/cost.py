@@ -1,0 +1,527 @@
+"""The cost model: bytes, time and memory of one training step for each zpp mode, from a
+cluster (two links) and a profile (compute time and the memory beside the model states);
+pure functions, no ranks.
+
+    from zpp.tune.cost import Cluster, LINKS, MODES, Profile, predict
+    c = Cluster(nodes=2, ranks_per_node=2, intra=LINKS["loopback"], inter=LINKS["100mbit"])
+    rows = predict(MODES.values(), units=even_units(25_351_168, 9), cluster=c,
+                   profile=Profile(compute_s=2.0))
+
+[Note: the cost model]
+*Units.* A step moves each unit of the engine (a transformer block at stage 3, a bucket at
+stages 1-2) through the mode's collectives. A unit of ``n`` elements on ``W`` ranks has a
+shard of ``s = max(A, ceil(ceil(n / W) / A) * A)`` elements (``A`` = ``SHARD_ALIGN``) and a
+padded buffer of ``p = W s`` (zpp/zero/shard.py). ``b`` is the parameters' element size.
+
+*Bytes per rank (the counters' direct-exchange model, [Note: what is counted]).* A rank
+with ``R - 1`` peers on its node and ``W - R`` on other nodes books, per call on the world:
+all_gather of ``m`` bytes: ``m`` to each peer; reduce_scatter / all_to_all of ``M``: ``M / W``
+to each peer; all_reduce of ``M``: ``floor(2 M / W)`` to each peer. Per unit and step:
+
+* stages 1-2: the gradient reduce-scatter (``M = 4p``) and the all-gather of the updated
+  shard (``m = b s``);
+* stage 3: two gathers (forward, backward) and the reduce-scatter. qwZ sends the forward
+  gather's shard as ``q(s, bits, g)`` = codes ``ceil(s/g) g bits / 8`` + 4 bytes per group,
+  ``g`` = ``min(weight_group_size, s)`` made even and <= s + (s odd); hpZ gathers the
+  backward from the node: ``m = b p / R`` to the ``R - 1`` local peers only; qgZ replaces the
+  reduce-scatter by two all-to-alls of codes: ``(R-1)/R q(W c)`` inside the node and
+  ``(N-1)/N q(N c)`` across (``c``: the slice rounded up to whole groups);
+* the gradient norm: one all_reduce of 8 bytes per step (stages 1-3); 1-bit optimizers:
+  a 4-byte finiteness flag instead, and after ``freeze_step`` the 1-bit all-reduce of the
+  fused gradient (frames of ``c/8 + 4`` bytes, ``c = ceil(n / 8W) 8``: one to every peer,
+  then on several nodes of several ranks one to the ``N - 1`` peers of this local rank and
+  ``N`` frames to the ``R - 1`` local peers), before it the fp32 all-reduce of ``4n``;
+* the hierarchical mode (``outer``): the inner steps are the ZeRO stage over the node
+  (``W = R``, no inter-node bytes); every ``H`` steps each of the ``F`` fragments of this
+  rank's ``Psi/R`` shard is all-reduced over the ``N`` nodes (fp32: ``2 (N-1)/N 4 Psi/R``;
+  int8/int4: the quantized reduce-scatter then gather). Per step: that divided by ``H``
+  (a mean; fragments are taken as equal parts, so this row is not exact to the byte).
+
+*Bytes on the node link.* The kernel sees what the backend's algorithm sends, not the
+direct-exchange model: gloo (and MPICH for large messages) run all_gather,
+reduce_scatter and all_reduce on the world as a ring, where each node has one outgoing
+edge, so a node sends ``(W - 1)`` chunks per ring pass against the model's ``R (W - R)``;
+all_to_all is a direct exchange. Everything else (the node's inter-node groups, one rank per
+node) is exact. Ethernet and TCP/IP headers add ``WIRE_OVERHEAD`` (measured: the kernel's
+counters over this rule on the emulated 2 x 2, perf/BENCHMARKS.md "The cost model").
+
+*Time.* Per collective call: ``max(t_inter, t_intra)`` with ``t_inter = alpha_e k + node
+bytes * WIRE_OVERHEAD / B_e`` (the node's link is shared by its ranks) and ``t_intra =
+alpha_i k + rank's intra bytes / B_i`` (``k``: the algorithm's sequential steps, ``W - 1``
+for a ring, 1 for a direct exchange). The step is ``compute_s`` + the sum over calls: zpp's
+reductions are synchronous today (``overlap`` = the fraction of the communication hidden,
+0 until reductions overlap the backward). ``compute_s`` comes from a profile: measured
+(the step without shaping, which includes quantization and the loopback transfers) or from
+FLOPs (``6 Psi tokens / (peak flops x mfu)``).
+
+*Memory per rank (model states).* Parameters: ``b Psi`` unsharded, ``b Psi / W`` sharded
+(+ the hpZ secondary ``b Psi / R`` while valid); gradients: the fp32 full buffers while a
+unit's backward runs, the reduced fp32 shard kept until the step (``4 Psi / W`` from stage
+2, ``4 Psi`` below); optimizer: Adam's two fp32 moments ``8 Psi / W`` from stage 1 (``8 Psi``
+at stage 0; in host memory with ``offload``); the outer mode adds ``8 Psi / R``. The peak
+adds the profile's ``other_bytes`` (activations, the framework), measured once per model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from zpp.quant.types import quantized_nbytes
+from zpp.zero.checks import check_int, check_number
+from zpp.zero.shard import SHARD_ALIGN
+
+__all__ = [
+    "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
+    "WIRE_OVERHEAD", "even_units", "memory", "predict", "step_time", "traffic", "units_from_trace",
+]
+
+WIRE_OVERHEAD = 1.035
+"""Bytes the kernel sends on an Ethernet link per byte of payload (headers): 236.1 MB on the
+node link for 228.3 MB of ring payload (zpp stage 3, 25M GPT, 2 x 2, 100 Mbit)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link:
+    """One level of the network: bandwidth in bytes/s (one direction) and per-message
+    latency. ``shared``: one link per node shared by its ranks (a NIC), else one per rank."""
+
+    name: str
+    bandwidth: float
+    latency_s: float
+    shared: bool
+
+
+def _gbit(x: float) -> float:
+    return x * 1e9 / 8
+
+
+#: Presets. Inside a node: NVLink 4 (H100, 450 GB/s a direction), PCIe 4 x16 (~25 GB/s
+#: usable), loopback (the emulated cluster's namespace on this 2-core machine). Between nodes
+#: the node's whole injection bandwidth (an 8-GPU node with eight 400 Gbit NICs is "3200gbit").
+LINKS: dict[str, Link] = {
+    "nvlink": Link("nvlink", 450e9, 3e-6, False),
+    "pcie": Link("pcie", 25e9, 10e-6, False),
+    "loopback": Link("loopback", 2e9, 30e-6, False),
+    "10mbit": Link("10mbit", _gbit(0.01), 200e-6, True),
+    "100mbit": Link("100mbit", _gbit(0.1), 100e-6, True),
+    "1gbit": Link("1gbit", _gbit(1), 50e-6, True),
+    "10gbit": Link("10gbit", _gbit(10), 20e-6, True),
+    "100gbit": Link("100gbit", _gbit(100), 5e-6, True),
+    "400gbit": Link("400gbit", _gbit(400), 5e-6, True),
+    "3200gbit": Link("3200gbit", _gbit(3200), 5e-6, True),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cluster:
+    nodes: int
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+
+    def __post_init__(self) -> None:
+        check_int("Cluster", "nodes", self.nodes, lo=1)
+        check_int("Cluster", "ranks_per_node", self.ranks_per_node, lo=1)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OuterSpec:
+    """The hierarchical mode's outer sync (``zpp.outer``): H, fragments, compression."""
+
+    sync_every: int = 10
+    fragments: int = 4
+    compression: str = "int4"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mode:
+    """One candidate: the ZeRO stage and zpp's switches (DeepSpeed's names in :meth:`config`)."""
+
+    name: str
+    stage: int
+    weight_bits: int | None = None
+    """qwZ's code width (None: the forward gather is plain)."""
+    hpz: bool = False
+    gradient_bits: int | None = None
+    """qgZ's code width (None: the plain reduce-scatter)."""
+    onebit: bool = False
+    """1-bit Adam after its freeze step (stage 0: the engine's 1-bit optimizers)."""
+    outer: OuterSpec | None = None
+    offload: bool = False
+    weight_group_size: int = 2048
+    gradient_group_size: int = 2048
+
+    def config(self, ranks_per_node: int) -> dict[str, Any]:
+        """The config this mode runs with on nodes of ``ranks_per_node`` ranks:
+        ``zero_optimization`` and, where needed, ``zpp`` and ``optimizer`` sections (merged
+        over the user's config by ``zpp tune``)."""
+        zero: dict[str, Any] = {"stage": self.stage}
+        if self.weight_bits is not None:
+            zero["zero_quantized_weights"] = True
+        if self.hpz:
+            zero["zero_hpz_partition_size"] = ranks_per_node
+        if self.gradient_bits is not None:
+            zero["zero_quantized_gradients"] = True
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        out: dict[str, Any] = {"zero_optimization": zero}
+        zpp: dict[str, Any] = {}
+        if self.weight_bits not in (None, 8):
+            zpp["weight_bits"] = self.weight_bits
+        if self.gradient_bits not in (None, 4):
+            zpp["gradient_bits"] = self.gradient_bits
+        if self.outer is not None:
+            zpp["outer"] = {"sync_every": self.outer.sync_every, "fragments": self.outer.fragments,
+                            "compression": self.outer.compression}
+        if zpp:
+            out["zpp"] = zpp
+        if self.onebit:
+            out["optimizer"] = {"type": "OneBitAdam"}
+        return out
+
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("zero1", 1), Mode("zero2", 2), Mode("zero3", 3),
+    Mode("zero3-qwz", 3, weight_bits=8), Mode("zero3-hpz", 3, hpz=True), Mode("zero3-qgz", 3, gradient_bits=4),
+    Mode("zero3-zeropp", 3, weight_bits=8, hpz=True, gradient_bits=4),
+    Mode("onebit-adam", 0, onebit=True),
+    Mode("outer-int4", 2, outer=OuterSpec()),
+)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnitShape:
+    """One engine unit: its element count (padding follows from the world) and, at stage 3,
+    the phases of its gathers in one step, in order (the engine's prefetch trace,
+    :meth:`zpp.zero.prefetch.Prefetcher.trace`): a block is gathered once for its forward and once for its
+    backward; a unit whose parameters several modules use (a container's leftovers) is
+    gathered once per use."""
+
+    numel: int
+    persistent: bool = False
+    """Stage 3: parameters kept whole on every rank (``stage3_param_persistence_threshold``):
+    reduced and re-gathered once per step, as at stage 2."""
+    gathers: tuple[str, ...] = ("forward", "backward")
+
+    def shard(self, world: int) -> int:
+        per = -(-self.numel // world)
+        return max(SHARD_ALIGN, -(-per // SHARD_ALIGN) * SHARD_ALIGN)
+
+
+def units_from_trace(numels: Sequence[int], persistent: Sequence[bool],
+                     trace: Iterable[tuple[int, str]]) -> list[UnitShape]:
+    """:class:`UnitShape` s from an engine's units and its gather trace ``(unit index,
+    phase)`` (units missing from the trace are gathered in neither phase)."""
+    phases: dict[int, list[str]] = {}
+    for index, phase in trace:
+        phases.setdefault(index, []).append(phase)
+    return [UnitShape(n, p, tuple(phases.get(i, ()))) for i, (n, p) in enumerate(zip(numels, persistent, strict=True))]
+
+
+def even_units(params: int, count: int) -> list[UnitShape]:
+    """``params`` elements in ``count`` equal units (the last takes the remainder): a model
+    described by its size alone (its transformer blocks)."""
+    check_int("even_units", "params", params, lo=1)
+    check_int("even_units", "count", count, lo=1)
+    each = params // count
+    return [UnitShape(each)] * (count - 1) + [UnitShape(params - each * (count - 1))]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """One collective call of a rank: the counters' bytes and the node link's."""
+
+    what: str
+    intra: int
+    inter: int
+    node_link: float
+    """Bytes this rank's node sends on its link for the call (all its ranks together)."""
+    steps: int
+    """Sequential message steps (latency terms)."""
+    weight: float = 1.0
+    """Calls per step (1/H for the outer sync)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Traffic:
+    calls: tuple[Call, ...]
+
+    @property
+    def intra_bytes(self) -> float:
+        return sum(c.intra * c.weight for c in self.calls)
+
+    @property
+    def inter_bytes(self) -> float:
+        return sum(c.inter * c.weight for c in self.calls)
+
+    @property
+    def node_link_bytes(self) -> float:
+        return sum(c.node_link * c.weight for c in self.calls) * WIRE_OVERHEAD
+
+    def by_what(self) -> dict[str, tuple[float, float]]:
+        out: dict[str, list[float]] = {}
+        for c in self.calls:
+            acc = out.setdefault(c.what, [0.0, 0.0])
+            acc[0] += c.inter * c.weight
+            acc[1] += c.intra * c.weight
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+class _Book:
+    """Collective calls on a cluster, booked as the transports book them."""
+
+    def __init__(self, cluster: Cluster, nodes: int | None = None, rpn: int | None = None) -> None:
+        self.N = cluster.nodes if nodes is None else nodes
+        self.R = cluster.ranks_per_node if rpn is None else rpn
+        self.W = self.N * self.R
+        self.calls: list[Call] = []
+
+    def _peers(self, group: str) -> tuple[int, int]:
+        """(peers on this node, peers on other nodes) in ``group``."""
+        return {"world": (self.R - 1, self.W - self.R), "intra": (self.R - 1, 0),
+                "inter": (0, self.N - 1)}[group]
+
+    def _ring_node(self, group: str, chunk: float) -> float:
+        """A node's link bytes for one ring pass of ``chunk`` bytes per rank and step."""
+        if group == "world":
+            return (self.W - 1) * chunk if self.N > 1 else 0.0
+        if group == "inter":
+            return self.R * (self.N - 1) * chunk  # R rings, one per local rank, each crossing once
+        return 0.0
+
+    def _size(self, group: str) -> int:
+        return {"world": self.W, "intra": self.R, "inter": self.N}[group]
+
+    def add(self, what: str, group: str, per_peer: int, node_link: float, steps: int, weight: float) -> None:
+        pi, pe = self._peers(group)
+        if self._size(group) > 1:
+            self.calls.append(Call(what, pi * per_peer, pe * per_peer, node_link, steps, weight))
+
+    def all_gather(self, what: str, m: int, group: str = "world", weight: float = 1.0) -> None:
+        self.add(what, group, m, self._ring_node(group, m), self._size(group) - 1, weight)
+
+    def reduce_scatter(self, what: str, nbytes: int, group: str = "world", weight: float = 1.0) -> None:
+        g = self._size(group)
+        self.add(what, group, nbytes // g, self._ring_node(group, nbytes / g), g - 1, weight)
+
+    def all_reduce(self, what: str, nbytes: int, group: str = "world", weight: float = 1.0) -> None:
+        g = self._size(group)
+        self.add(what, group, 2 * nbytes // g, 2 * self._ring_node(group, nbytes / g), 2 * (g - 1), weight)
+
+    def all_to_all(self, what: str, nbytes: int, group: str = "world", weight: float = 1.0) -> None:
+        g = self._size(group)
+        _, pe = self._peers(group)
+        self.add(what, group, nbytes // g, self.R * pe * (nbytes // g), 1, weight)
+
+
+def _group(gs: int, s: int) -> int:
+    """:func:`zpp.comm.collectives.effective_group_size` of the strategy's ``min(gs, s)``."""
+    g = min(gs, s)
+    return min(g, max(2, s + (s & 1)))
+
+
+def _qgz(book: _Book, what: str, padded: int, bits: int, gs: int, weight: float = 1.0) -> None:
+    """qgZ's two all-to-alls of codes and scales (zpp.comm.collectives.quantized_reduce_scatter)."""
+    W, R, N = book.W, book.R, book.N
+    s = padded // W
+    g = _group(gs, s)
+    chunk = -(-s // g) * g
+    for group, elems, parts in (("intra", W * chunk, R), ("inter", N * chunk, N)):
+        if parts == 1:
+            continue
+        for nbytes in (elems * bits // 8, elems // g * 4):  # codes, then scales: two all-to-alls
+            book.all_to_all(what, nbytes, group, weight)
+
+
+def _quantized_all_gather(book: _Book, what: str, s: int, bits: int, gs: int, group: str = "world",
+                          weight: float = 1.0) -> None:
+    g = _group(gs, s)
+    codes = quantized_nbytes(s, bits, g) - 4 * (-(-s // g))
+    book.all_gather(what, codes, group, weight)
+    book.all_gather(what, 4 * (-(-s // g)), group, weight)
+
+
+def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4) -> Traffic:
+    """Every collective call of one step of ``mode`` (see [Note: the cost model])."""
+    if mode.outer is not None:
+        return _outer_traffic(mode, units, cluster, param_bytes)
+    book = _Book(cluster)
+    W = book.W
+    if W == 1:
+        return Traffic(())
+    if mode.onebit:
+        n = sum(u.numel for u in units)
+        book.all_reduce("nonfinite flag", 4)
+        c = -(-n // (8 * W)) * 8
+        frame = c // 8 + 4
+        book.all_to_all("onebit_all_reduce", W * frame)
+        if 1 < book.N < W:
+            book.all_gather("onebit_all_reduce", frame, "inter")
+            book.all_gather("onebit_all_reduce", book.N * frame, "intra")
+        else:
+            book.all_gather("onebit_all_reduce", frame)
+        return Traffic(tuple(book.calls))
+    for u in units:
+        s = u.shard(W)
+        p = s * W
+        if mode.stage == 3 and not u.persistent:
+            for i, phase in enumerate(u.gathers):
+                what = f"{phase} gather"
+                if mode.hpz and book.R > 1 and i > 0:  # from the node's secondary shards
+                    book.all_gather(what, param_bytes * p // book.R, "intra")
+                elif phase == "forward" and mode.weight_bits is not None:
+                    _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size)
+                else:
+                    book.all_gather(what, param_bytes * s)
+            if mode.gradient_bits is not None:
+                _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
+            else:
+                book.reduce_scatter("gradient reduce-scatter", 4 * p)
+        elif mode.stage >= 1:
+            if mode.stage == 3 and mode.gradient_bits is not None:
+                _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
+            else:
+                book.reduce_scatter("gradient reduce-scatter", 4 * p)
+            book.all_gather("weight all-gather", param_bytes * s)
+        else:
+            book.all_reduce("gradient all-reduce", 4 * u.numel)
+    if mode.stage >= 1:
+        book.all_reduce("gradient norm", 8)
+    return Traffic(tuple(book.calls))
+
+
+def _outer_traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, param_bytes: int) -> Traffic:
+    assert mode.outer is not None
+    R, N = cluster.ranks_per_node, cluster.nodes
+    inner = traffic(dataclasses.replace(mode, outer=None), units,
+                    Cluster(1, R, cluster.intra, cluster.inter), param_bytes=param_bytes)
+    book = _Book(cluster)
+    if N > 1:
+        psi = sum(u.numel for u in units)
+        frag = -(-psi // (R * mode.outer.fragments))  # elements of one fragment of this rank's shard
+        weight = 1.0 / mode.outer.sync_every
+        sub = _Book(Cluster(N, 1, cluster.intra, cluster.inter))  # the nodes' group: one rank each
+        for _ in range(mode.outer.fragments):
+            if mode.outer.compression == "none":
+                sub.all_reduce("outer sync", 4 * frag, weight=weight)
+            else:
+                bits = {"int8": 8, "int4": 4}.get(mode.outer.compression)
+                if bits is None:
+                    raise NotImplementedError(
+                        f"cost model: outer compression {mode.outer.compression!r} is not modelled")
+                padded = -(-frag // N) * N
+                _qgz(sub, "outer sync", padded, bits, 2048, weight)
+                _quantized_all_gather(sub, "outer sync", padded // N, bits, 2048, weight=weight)
+        # the nodes' groups run side by side: R of them share each node's link
+        book.calls.extend(dataclasses.replace(c, node_link=c.node_link * R) for c in sub.calls)
+    return Traffic(tuple(inner.calls) + tuple(book.calls))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Profile:
+    """What the model costs without communication, per rank and step."""
+
+    compute_s: float
+    """Forward, backward and optimizer time of one step (the measured step without shaping,
+    or from FLOPs: :meth:`from_flops`)."""
+    other_bytes: int = 0
+    """Peak memory beside the model states (activations, the framework)."""
+    overlap: float = 0.0
+    """Fraction of the communication hidden behind compute (0: zpp today)."""
+
+    @staticmethod
+    def from_flops(params: int, tokens_per_step: int, *, peak_flops: float, mfu: float = 0.4,
+                   other_bytes: int = 0) -> Profile:
+        check_number("Profile.from_flops", "mfu", mfu, lo=0, hi=1, lo_open=True)
+        return Profile(6.0 * params * tokens_per_step / (peak_flops * mfu), other_bytes)
+
+
+def call_time(c: Call, cluster: Cluster) -> float:
+    """One call's seconds (see [Note: the cost model])."""
+    t_inter = (cluster.inter.latency_s * c.steps + c.node_link * WIRE_OVERHEAD / cluster.inter.bandwidth
+               if c.inter else 0.0)
+    t_intra = cluster.intra.latency_s * c.steps + c.intra / cluster.intra.bandwidth if c.intra else 0.0
+    return max(t_inter, t_intra)
+
+
+def step_time(t: Traffic, cluster: Cluster, profile: Profile) -> tuple[float, float]:
+    """(step seconds, communication seconds) of one step."""
+    comm = sum(call_time(c, cluster) * c.weight for c in t.calls)
+    return profile.compute_s + comm * (1.0 - profile.overlap), comm
+
+
+def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
+           prefetch_units: int = 1) -> dict[str, float]:
+    """Model-state bytes per rank: at rest (between steps) and at the peak of a step."""
+    inner = cluster.ranks_per_node if mode.outer is not None else cluster.world
+    W, R = inner, cluster.ranks_per_node
+    psi = sum(u.numel for u in units)
+    shard = sum(u.shard(W) for u in units)
+    biggest = max((u.shard(W) * W for u in units), default=0)
+    if mode.stage == 3:
+        params = param_bytes * shard
+        live = param_bytes * biggest * (1 + prefetch_units)  # gathered units in flight
+        secondary = param_bytes * shard * W // R if mode.hpz and R > 1 else 0
+    else:
+        params, live, secondary = param_bytes * psi, 0, 0
+    optim = 8 * (shard if mode.stage >= 1 else psi)
+    host = optim if mode.offload else 0
+    optim -= host
+    grads = 4 * (shard if mode.stage >= 2 else psi)
+    unit_grad = 4 * biggest if mode.stage >= 2 else 0
+    outer = 8 * -(-psi // R) if mode.outer is not None else 0
+    if mode.onebit:  # fused fp32 copies of parameters and gradients, moments, two error buffers
+        optim = 4 * psi * 5
+    rest = params + optim + outer
+    return {"rest": rest, "peak": rest + secondary + live + grads + unit_grad, "host": host}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prediction:
+    mode: str
+    step_s: float
+    comm_s: float
+    inter_bytes: float
+    intra_bytes: float
+    node_link_bytes: float
+    state_rest: float
+    state_peak: float
+    peak_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def predict(modes: Iterable[Mode], *, units: Sequence[UnitShape], cluster: Cluster, profile: Profile
+            | Mapping[str, Profile], param_bytes: int = 4) -> list[Prediction]:
+    """One :class:`Prediction` per mode; ``profile`` may differ per mode (a measured profile
+    includes each mode's own quantization work)."""
+    out = []
+    for m in modes:
+        prof = profile[m.name] if isinstance(profile, Mapping) else profile
+        t = traffic(m, units, cluster, param_bytes=param_bytes)
+        step, comm = step_time(t, cluster, prof)
+        mem = memory(m, units, cluster, param_bytes=param_bytes)
+        out.append(Prediction(m.name, step, comm, t.inter_bytes, t.intra_bytes, t.node_link_bytes,
+                              mem["rest"], mem["peak"], mem["peak"] + prof.other_bytes))
+    return out
+
+
+def format_predictions(rows: Sequence[Prediction], cluster: Cluster) -> str:
+    head = (f"# {cluster.nodes} nodes x {cluster.ranks_per_node} ranks, intra {cluster.intra.name}, "
+            f"inter {cluster.inter.name}\n"
+            f"{'mode':<14}{'step_s':>10}{'comm_s':>10}{'inter_MB':>10}{'intra_MB':>10}{'link_MB':>10}"
+            f"{'state_GB':>10}{'peak_GB':>9}")
+    lines = [head]
+    best = min(r.step_s for r in rows) if rows else math.nan
+    for r in rows:
+        lines.append(f"{r.mode:<14}{r.step_s:>10.4g}{r.comm_s:>10.4g}{r.inter_bytes / 1e6:>10.2f}"
+                     f"{r.intra_bytes / 1e6:>10.2f}{r.node_link_bytes / 1e6:>10.2f}{r.state_rest / 1e9:>10.3f}"
+                     f"{r.peak_bytes / 1e9:>9.3f}{'  <- fastest' if r.step_s == best else ''}")
+    return "\n".join(lines)
