@@ -4,14 +4,19 @@ and ZeRO mode, the predicted step time, bytes and memory beside the measured one
     sudo python perf/cost_check.py                                   # 2x2,3x2,4x1 x 4 rates
     sudo python perf/cost_check.py --shapes 2x2 --rates 100mbit --modes zero3,zero3-zeropp
 
-The profile the predictions start from is measured once, in this process, with no
-communication at all (one rank): the GPT's forward + backward, AdamW's step over all its
-parameters, and zpp.quant's quantize + dequantize rate. A mode's compute is then
-``fwd_bwd + opt / W`` (sharded optimizer state from stage 1), plus the quantization of the
-bytes it compresses, times the ranks that share this machine's cores (the emulated nodes all
-run here: ``max(1, W / cores)``). Nothing is fitted to the cluster runs. Each mode runs in its
-own ``zpp cluster run`` of perf/train_bench.py (so its peak memory is its own); the measured
-row gives the step time, zpp's counters, the kernel's node-link bytes and the peak RSS.
+Time: the profile is each mode's step on the same cluster shape without shaping (the first
+rate, "unshaped": 1000gbit veths, limited by this machine's copies), less the model's
+communication time on the unshaped links as perf/link_probe.py measures them (the all-gather
+probe of ``zpp tune --job``): that is the mode's compute here, quantization and the
+engine's own work included (on a real cluster: one node's run). The shaped rates are
+then predicted; the unshaped rows are the profile and are not counted in the errors.
+Memory: predicted from one rank with no communication at all, measured once in this process
+(the GPT's forward + backward and AdamW over all its parameters: peak RSS less its 16 bytes
+per parameter of model states is what a rank holds beside the states), plus each mode's
+model-state peak (zpp/tune/cost.py): nothing of the cluster runs goes into it. Each mode
+runs in its own ``zpp cluster run`` of perf/train_bench.py (so its peak memory is its own);
+the measured row gives the step time, zpp's counters, the kernel's node-link bytes and the
+peak RSS.
 
 Errors are ``|predicted - measured| / measured``; the bytes per step must be exact. Output:
 a table per shape and rate, the medians, and --out (JSON with date, host, command, revision).
@@ -37,7 +42,7 @@ import torch  # noqa: E402
 import clusterlib  # noqa: E402
 import trainlib  # noqa: E402
 from zpp import cluster  # noqa: E402
-from zpp.tune import cost  # noqa: E402
+from zpp.tune import cost, job  # noqa: E402
 
 UNSHAPED = "1000gbit"  # the veths are then limited by the machine's copies, not by tc
 MODES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp")
@@ -106,19 +111,31 @@ def run_mode(mode: str, shape: tuple[int, int], args, tmp: Path) -> dict:
     return json.loads(out.read_text())["rows"][0]
 
 
-def link_for(rate: str) -> cost.Link:
-    if rate == UNSHAPED:
-        return cost.LINKS["loopback"]
-    return cost.LINKS[rate]
+def run_probe(shape: tuple[int, int], args, tmp: Path) -> dict:
+    """perf/link_probe.py on the cluster: the unshaped links' bandwidth."""
+    out = tmp / "probe.json"
+    rc = cluster.run([sys.executable, str(HERE / "link_probe.py"), "--json", str(out)], nodes=shape[0],
+                     ranks_per_node=shape[1], backend="torch", timeout=args.timeout)
+    if rc != 0 or not out.exists():
+        return {"error": f"exit code {rc}"}
+    return json.loads(out.read_text())
 
 
-def compare(row: dict, mode: cost.Mode, shape, rate: str, prof: dict) -> dict:
+def compare(row: dict, mode: cost.Mode, shape, rate: str, prof: dict, unshaped: dict | None,
+            other_bytes: int | None = None, probe: dict | None = None) -> dict:
     nodes, rpn = shape
-    c = cost.Cluster(nodes, rpn, cost.LINKS["loopback"], link_for(rate))
+    intra, fast = job.links_from_probe(probe) if probe else (cost.LINKS["loopback"], cost.LINKS["loopback"])
+    c = cost.Cluster(nodes, rpn, intra, fast if rate == UNSHAPED else cost.LINKS[rate])
     units = cost.units_from_trace([n for n, _ in row["units"]], [bool(p) and mode.stage == 3 for _, p in row["units"]],
                                   [tuple(e) for e in row["gather_trace"]])
-    profile = cost.Profile(compute_s(mode, prof, units, c.world),
-                           other_bytes=prof["peak_rss_bytes"] - 16 * prof["params"])
+    if unshaped is not None:  # the mode's compute here: its unshaped step less loopback communication
+        loop = cost.Cluster(nodes, rpn, intra, fast)
+        _, loop_comm = cost.step_time(cost.traffic(mode, units, loop), loop, cost.Profile(0.0))
+        compute = max(0.0, unshaped["step_s"] - loop_comm)
+    else:
+        compute = compute_s(mode, prof, units, c.world)
+    other = prof["peak_rss_bytes"] - 16 * prof["params"] if other_bytes is None else other_bytes
+    profile = cost.Profile(compute, other_bytes=other)
     pred = cost.predict([mode], units=units, cluster=c, profile=profile)[0]
     eth = max(row.get("eth_tx_bytes_per_node") or [0])
     measured_peak = row["peak_rss_mib"] * 2**20
@@ -126,7 +143,8 @@ def compare(row: dict, mode: cost.Mode, shape, rate: str, prof: dict) -> dict:
     def err(p, m):
         return abs(p - m) / m if m else None
     return {
-        "shape": f"{nodes}x{rpn}", "rate": "unshaped" if rate == UNSHAPED else rate, "mode": mode.name,
+        "shape": f"{nodes}x{rpn}", "rate": rate, "mode": mode.name,
+        "profile": "unshaped step" if unshaped is not None else "one rank",
         "step_s": row["step_s"], "pred_step_s": pred.step_s, "step_err": err(pred.step_s, row["step_s"]),
         "compute_s": profile.compute_s, "pred_comm_s": pred.comm_s,
         "inter_bytes": row["inter_bytes"], "pred_inter_bytes": pred.inter_bytes,
@@ -160,7 +178,7 @@ def summary(rows) -> dict:
     ok = [r for r in rows if "error" not in r]
 
     def med(key, sel=lambda r: True):
-        v = [r[key] for r in ok if r[key] is not None and sel(r)]
+        v = [r[key] for r in ok if r[key] is not None and sel(r) and (key != "step_err" or r["rate"] != UNSHAPED)]
         return statistics.median(v) if v else None
     out = {"step_err_median": med("step_err"), "mem_err_median": med("mem_err"),
            "link_err_median": med("link_err"), "bytes_exact": all(r["bytes_exact"] for r in ok),
@@ -169,7 +187,7 @@ def summary(rows) -> dict:
         out[f"step_err_median_{rate}"] = med("step_err", lambda r, rate=rate: r["rate"] == rate)
     # the choice: the mode with the least predicted step, against the measured fastest
     picks = []
-    for key in sorted({(r["shape"], r["rate"]) for r in ok}):
+    for key in sorted({(r["shape"], r["rate"]) for r in ok if r["rate"] != UNSHAPED}):
         group = [r for r in ok if (r["shape"], r["rate"]) == key]
         chosen = min(group, key=lambda r: r["pred_step_s"])
         fastest = min(group, key=lambda r: r["step_s"])
@@ -177,6 +195,36 @@ def summary(rows) -> dict:
                       "chosen_over_fastest": chosen["step_s"] / fastest["step_s"]})
     out["choices"] = picks
     return out
+
+
+def derive(raw: list[dict], prof: dict) -> list[dict]:
+    """The comparison rows from the measured ones: per shape, each mode's unshaped row is its
+    time profile, and the first mode's unshaped peak less its predicted model states is what a
+    rank holds beside them (the memory calibration: that row's memory error is not counted)."""
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in raw):
+        nodes, rpn = (int(v) for v in shape.split("x"))
+        mine = [r for r in raw if r["shape"] == shape]
+        probe = next((r["row"] for r in mine if r["mode"] == "probe" and "error" not in r["row"]), None)
+        mine = [r for r in mine if r["mode"] != "probe"]
+        base = {r["mode"]: r["row"] for r in mine if r["rate"] == UNSHAPED and "error" not in r["row"]}
+        other, calib = None, None
+        if base:
+            calib, first = next(iter(base.items()))
+            c = cost.Cluster(nodes, rpn, cost.LINKS["loopback"], cost.LINKS["loopback"])
+            units = cost.units_from_trace([n for n, _ in first["units"]], [False] * len(first["units"]),
+                                          [tuple(e) for e in first["gather_trace"]])
+            other = int(first["peak_rss_mib"] * 2**20 - cost.memory(cost.MODES[calib], units, c)["peak"])
+        for r in mine:
+            if "error" in r["row"]:
+                rows.append({"shape": shape, "rate": r["rate"], "mode": r["mode"], "error": r["row"]["error"]})
+                continue
+            out = compare(r["row"], cost.MODES[r["mode"]], (nodes, rpn), r["rate"], prof, base.get(r["mode"]), other,
+                          probe)
+            if r["mode"] == calib and r["rate"] == UNSHAPED:
+                out["mem_err"] = None  # the calibration
+            rows.append(out)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -188,33 +236,45 @@ def main(argv=None) -> int:
     ap.add_argument("--unit-min-numel", type=int, default=100_000)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--probe-only", action="store_true", help="only the unshaped link probe of each shape")
+    ap.add_argument("--recompute", default=None, metavar="FILES",
+                    help="comma-separated earlier --out files: merge their measured rows, derive again, write --out")
     ap.add_argument("--out", default=str(HERE / "results" / "cost_check.json"))
     args = ap.parse_args(argv)
+    if args.recompute:
+        records = [json.loads(Path(f).read_text()) for f in args.recompute.split(",")]
+        record = {**records[0], "merged_from": [r.get("command") for r in records],
+                  "raw": [x for r in records for x in r["raw"]]}
+        record["runs"] = derive(record["raw"], record["profile"])
+        record["summary"] = summary(record["runs"])
+        clusterlib.save(record, args.out)
+        print_rows(record["runs"])
+        print(json.dumps(record["summary"], indent=1))
+        return 0
     modes = [cost.MODES[m] for m in args.modes.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     prof = measure_profile(args)
     print(f"# profile (1 rank, no communication): {json.dumps(prof)}", flush=True)
     record = clusterlib.new_record(args.shapes, None, model={k: getattr(args, k) for k in (
         "n_layer", "n_embd", "n_head", "block", "batch", "steps", "warmup", "unit_min_numel")}, profile=prof)
-    rows: list[dict] = []
+    record["raw"] = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             def body(rate, _bits, shape=shape):
-                for m in modes:
+                if rate == UNSHAPED:
+                    record["raw"].append({"shape": f"{shape[0]}x{shape[1]}", "rate": rate, "mode": "probe",
+                                          "row": run_probe(shape, args, Path(tmp))})
+                for m in modes if not args.probe_only else ():
                     row = run_mode(m.name, shape, args, Path(tmp))
-                    if "error" in row:
-                        rows.append({"shape": f"{shape[0]}x{shape[1]}", "rate": rate, "mode": m.name,
-                                     "error": row["error"]})
-                    else:
-                        rows.append(compare(row, m, shape, rate, prof))
-                    print_rows(rows[-1:])
-                    record["runs"] = rows
-                    record["summary"] = summary(rows)
+                    record["raw"].append({"shape": f"{shape[0]}x{shape[1]}", "rate": rate, "mode": m.name, "row": row})
+                    record["runs"] = derive(record["raw"], prof)
+                    record["summary"] = summary(record["runs"])
+                    print_rows(record["runs"][-1:])
                     clusterlib.save(record, args.out)
             clusterlib.at_each_rate(shape[0], args.rates, body)
     print()
-    print_rows(rows)
-    print(json.dumps(summary(rows), indent=1))
+    print_rows(record["runs"])
+    print(json.dumps(record["summary"], indent=1))
     return 0
 
 

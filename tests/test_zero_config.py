@@ -291,6 +291,15 @@ from zpp.zero.config import ENGINE_PENDING, check_engine_support  # noqa: E402
 # A value for every accepted key; the test below fails when the table grows a key this lacks.
 ACCEPTED_SAMPLES = {
     "optimizer.params.torch_adam": True, "optimizer.legacy_fusion": False,
+    "autotuning": {"enabled": True}, "autotuning.enabled": True, "autotuning.start_profile_step": 2,
+    "autotuning.end_profile_step": 5, "autotuning.metric": "latency", "autotuning.tuner_num_trials": 3,
+    "autotuning.results_dir": "autotuning_results",
+    **{f"autotuning.{k}": v for k, v in (
+        ("exps_dir", "autotuning_exps"), ("overwrite", True), ("fast", True), ("max_train_batch_size", 64),
+        ("mp_size", 1), ("num_tuning_micro_batch_sizes", 3), ("tuner_type", "model_based"),
+        ("tuner_early_stopping", 5), ("arg_mappings", {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}),
+        ("min_train_micro_batch_size_per_gpu", 1), ("max_train_micro_batch_size_per_gpu", 8),
+        ("model_info", {"num_params": 1000}), ("model_info_path", "info.json"), ("metric_path", "metrics.json"))},
     "bf16.immediate_grad_update": True, "bf16.check_grad_overflow": True,
     "zero_optimization.offload_optimizer.nvme_path": "/nvme", "zero_optimization.offload_optimizer.buffer_count": 4,
     "zero_optimization.offload_param.nvme_path": "/nvme", "zero_optimization.offload_param.buffer_count": 5,
@@ -334,7 +343,7 @@ REFUSED_SAMPLES = {
     **{k: {"enabled": True} for k in (
         "amp", "torch_autocast", "flops_profiler", "comms_logger",
         "sparse_attention", "pipeline", "compression_training", "data_efficiency", "curriculum_learning",
-        "elasticity", "autotuning", "eigenvalue", "progressive_layer_drop", "quantize_training", "nebula",
+        "elasticity", "eigenvalue", "progressive_layer_drop", "quantize_training", "nebula",
         "hybrid_engine", "compile", "tensor_parallel", "weight_quantization", "timers")},
 }
 _BASE = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}

@@ -8,6 +8,8 @@ stays within ``--max-error``.
     mpiexec -n 8 zpp tune                        # inside a launched world: its backend only
     zpp tune --cluster --ops all_reduce --outer-params 25M --outer-step-s 3   # + zpp.outer settings
     ZPP_TUNE_FILE=zpp_tune.json python train.py  # use it: get_transport(), zpp.comm.tuned, zpp.initialize
+    zpp tune --job --config ds.json -- python train.py --deepspeed_config ds.json   # the job's mode (job.py)
+    zpp tune --predict --model 7b --nodes 32 --ranks-per-node 8 --inter 100gbit     # any scale (predict.py)
 
 The sweep is ``zpp bench``'s (all_gather, reduce_scatter and all_reduce: none, int8, int4;
 all_reduce also 1bit with --allow-1bit). Alone, torch ranks are spawned in-process and the MPI
@@ -40,6 +42,7 @@ from zpp.bench import launch as _launch
 from zpp.bench.argtypes import choice_list, integer, seconds, sizes_type
 from zpp.bench.launch import close_world
 from zpp.bench.config import BACKENDS, DTYPES, BenchConfig
+from zpp.tune import job, predict
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -102,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--outer-max-sync-every", type=integer(2), default=100,
                    help="above this sync_every (H) the advice says the link is the limit "
                         "(default: 100)")
+    predict.add_arguments(p, _param_count)
+    job.add_arguments(p)
+    p.add_argument("job_command", nargs="*", metavar="-- COMMAND", help="with --job: the training job's command")
 
 
 def _param_count(text: str) -> int:
@@ -126,6 +132,14 @@ def _mpi_available() -> bool:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     parser: argparse.ArgumentParser = args.parser
+    if args.predict:
+        return predict.run(args)
+    if args.job_command and not args.job:
+        parser.error(f"unexpected arguments {args.job_command}: a command after -- goes with --job")
+    if args.job:
+        if args.out == DEFAULT_OUT:
+            args.out = job.DEFAULT_OUT
+        return job.run(args, args.job_command)
     where = _launch.detect_for(parser)
     if (args.outer_params is None) != (args.outer_step_s is None):
         parser.error("--outer-params and --outer-step-s go together (the model's size and its inner step time)")

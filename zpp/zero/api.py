@@ -12,10 +12,13 @@ Launch one process per rank (``torchrun --nproc-per-node 4 train.py``, ``mpiexec
 the transport is ``zpp.comm.get_transport(config.zpp.transport)`` unless one is passed.
 A ``zpp tune`` plan (``zpp.tune_plan``, else ``$ZPP_TUNE_FILE``) chooses the backend where
 nothing above it in [Note: which transport] (:mod:`zpp.comm.registry`) does, and the
-ZeRO++ code widths ([Note: the plan in the engine] in :mod:`zpp.zero.plan_bits`).
+ZeRO++ code widths ([Note: the plan in the engine] in :mod:`zpp.zero.plan_bits`). Under
+``zpp tune --job`` (``$ZPP_TUNE_TRIAL``) the candidate's sections replace the job's and the
+process ends after the trial's steps ([Note: tune trials] in :mod:`zpp.zero.trial`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import warnings
@@ -26,9 +29,11 @@ import torch
 
 from zpp.comm.plan import TUNE_FILE_ENV, TunePlan, load_plan
 from zpp.comm.transport import Transport
+from zpp.zero.config import TrainConfig
 from zpp.zero.deepspeed_config import deepspeed_dict, from_args
 from zpp.zero.engine import ZeroEngine
 from zpp.zero.param_groups import ParamGroups
+from zpp.zero import trial as tune_trial
 from zpp.zero.plan_bits import check_plan_world
 
 
@@ -93,6 +98,15 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if config is not None and config_params is not None:
         raise ValueError("zpp.initialize: pass config or config_params, not both")
     given = config if config is not None else config_params
+    trial = tune_trial.active()
+    if trial is not None:  # a `zpp tune --job` trial: the candidate's sections over the job's config
+        if isinstance(given, TrainConfig):
+            raise ValueError("zpp tune --job: the job passes a TrainConfig; a trial needs its config as a DeepSpeed "
+                             "dict or JSON file, to put the candidate's sections over it")
+        given = tune_trial.apply(deepspeed_dict(args, given), trial)
+        if args is not None:
+            args = copy.copy(args)
+            args.deepspeed_config = args.deepscale_config = None
     cfg = from_args(args, given)
     plan, plan_note = _tune_plan(cfg.zpp.tune_plan)
     if plan is not None and cfg.zpp.tune_plan is None:  # every rank must run the same plan: agreed with the config
@@ -127,6 +141,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                         groups=groups, ds_config=deepspeed_dict(args, given), tune_plan=plan)
     loader = engine.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
     engine.training_dataloader = loader
+    if trial is not None:
+        tune_trial.attach(engine, trial)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -352,7 +352,21 @@ _KEY_LIST: list[DsKey] = [
     _refuse_section("data_efficiency", "data sampling and routing; do it in the data loader"),
     _refuse_section("curriculum_learning", "curriculum learning; do it in the data loader"),
     _refuse_section("elasticity", "zpp's checkpoints load at any world size: restart with the new size"),
-    _refuse_section("autotuning", "`zpp tune` tunes the collectives"),
+    _accept("autotuning", "read by `zpp tune --job` (its keys below); a training run ignores it, as DeepSpeed's "
+            "engine does outside `deepspeed --autotuning`", _dict, section=True),
+    _accept("autotuning.enabled", "`zpp tune --job` tunes whether or not it is set", _bool),
+    _accept("autotuning.start_profile_step", "`zpp tune --job`: untimed steps of each trial run", _int(lo=0)),
+    _accept("autotuning.end_profile_step", "`zpp tune --job`: the trial run's last timed step", _int(lo=1)),
+    _accept("autotuning.metric", "`zpp tune --job` ranks by step time (throughput and latency alike at a fixed batch)",
+            _choice("throughput", "latency", "flops")),
+    _accept("autotuning.tuner_num_trials", "`zpp tune --job`: at most this many candidates confirmed by a run",
+            _int(lo=1)),
+    _accept("autotuning.results_dir", "`zpp tune --job`: where its report goes", _str),
+    *(_accept(f"autotuning.{k}", "DeepSpeed's search over micro-batch sizes and its tuner: zpp tune keeps the "
+              "job's micro-batch and ranks the modes by its cost model", _anything)
+      for k in ("exps_dir", "overwrite", "fast", "max_train_batch_size", "mp_size", "num_tuning_micro_batch_sizes",
+                "tuner_type", "tuner_early_stopping", "arg_mappings", "min_train_micro_batch_size_per_gpu",
+                "max_train_micro_batch_size_per_gpu", "model_info", "model_info_path", "metric_path")),
     _refuse_section("eigenvalue", "eigenvalue computation"),
     _refuse_section("progressive_layer_drop", "progressive layer dropping"),
     _refuse_section("quantize_training", "quantization-aware training"),
