@@ -547,6 +547,13 @@ def test_outer_advice_picks_the_smallest_sync_every_the_link_allows():
     # the faster backend at that size is taken, per compression
     mixed = advise(_link_rows("torch", 100) + _link_rows("mpi", 200), params=25_000_000, step_s=1.0)
     assert {o.backend for o in mixed.options} == {"mpi"}
+    # with the world's shape (2 nodes x 2) the row's time is scaled to what the sync puts on a
+    # node's link: the world's fp32 ring all-reduce carries 2 (W-1)/W = 1.5 units per unit the
+    # sync's reductions over the nodes carry (2 (N-1)/N = 1); the quantized ones 1.25
+    shaped = advise(_link_rows("torch", 100), params=25_000_000, step_s=1.0, fragments=4, nodes=2, ranks_per_node=2)
+    sb = {o.compression: o.sync_s for o in shaped.options}
+    assert sb["none"] == pytest.approx(by["none"].sync_s / 1.5, rel=1e-6)
+    assert sb["int4"] == pytest.approx(by["int4"].sync_s / 1.25, rel=1e-3)
     text = format_advice(a)
     assert text.splitlines()[-1] == '# config: "zpp": {"outer": ' + json.dumps(a.config()) + "}"
     assert "<- chosen" in text

@@ -379,7 +379,8 @@ def _finish(args, rows: list[dict], metas: dict[str, dict], backends: list[str],
         from zpp.tune.outer import advise
 
         advice = advise(rows, params=args.outer_params, step_s=args.outer_step_s, fragments=args.outer_fragments,
-                        max_sync_every=args.outer_max_sync_every, allow_1bit=args.allow_1bit)
+                        max_sync_every=args.outer_max_sync_every, allow_1bit=args.allow_1bit,
+                        nodes=size // rpn, ranks_per_node=rpn)
         meta["outer"] = advice.to_dict()
     plan = build_plan(rows, world_size=size, ranks_per_node=rpn, max_error=args.max_error,
                       allow_1bit=args.allow_1bit, backends=backends, dtype=args.dtype,

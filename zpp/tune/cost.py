@@ -76,7 +76,7 @@ from zpp.zero.shard import SHARD_ALIGN
 
 __all__ = [
     "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
-    "WIRE_OVERHEAD", "even_units", "memory", "predict", "step_time", "traffic", "units_from_trace",
+    "WIRE_OVERHEAD", "all_reduce_link_bytes", "even_units", "memory", "predict", "step_time", "traffic", "units_from_trace",
 ]
 
 WIRE_OVERHEAD = 1.035
@@ -361,8 +361,11 @@ def _quantized_all_gather(book: _Book, what: str, s: int, bits: int, gs: int, gr
     book.all_gather(what, 4 * (-(-s // g)), group, weight)
 
 
-def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4) -> Traffic:
-    """Every collective call of one step of ``mode`` (see [Note: the cost model])."""
+def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
+            grad_bytes: int = 4) -> Traffic:
+    """Every collective call of one step of ``mode`` (see [Note: the cost model]).
+    ``grad_bytes``: zpp reduces gradients in fp32 (4); 2 models a library that reduces them
+    in the parameters' 16-bit type (DeepSpeed's default), for comparisons."""
     if mode.outer is not None:
         return _outer_traffic(mode, units, cluster, param_bytes)
     book = _Book(cluster)
@@ -396,15 +399,15 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
             if mode.gradient_bits is not None:
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
             else:
-                book.reduce_scatter("gradient reduce-scatter", 4 * p)
+                book.reduce_scatter("gradient reduce-scatter", grad_bytes * p)
         elif mode.stage >= 1:
             if mode.stage == 3 and mode.gradient_bits is not None:
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
             else:
-                book.reduce_scatter("gradient reduce-scatter", 4 * p)
+                book.reduce_scatter("gradient reduce-scatter", grad_bytes * p)
             book.all_gather("weight all-gather", param_bytes * s)
         else:
-            book.all_reduce("gradient all-reduce", 4 * u.numel)
+            book.all_reduce("gradient all-reduce", grad_bytes * u.numel)
     if mode.stage >= 1:
         book.all_reduce("gradient norm", 8)
     return Traffic(tuple(book.calls))
@@ -436,6 +439,28 @@ def _outer_traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, par
         # the nodes' groups run side by side: R of them share each node's link
         book.calls.extend(dataclasses.replace(c, node_link=c.node_link * R) for c in sub.calls)
     return Traffic(tuple(inner.calls) + tuple(book.calls))
+
+
+def all_reduce_link_bytes(compression: str, numel: int, nodes: int, ranks_per_node: int, *,
+                          across_nodes: bool) -> float:
+    """Bytes one node sends on its link for an all-reduce of ``numel`` fp32 elements: over the
+    whole world (``zpp bench``'s all_reduce row) or, ``across_nodes``, as the outer sync runs
+    it (each local rank's ``1/R`` share over the ``N`` nodes, ``R`` groups side by side).
+    ``compression``: none, int8 or int4 (zpp's quantized all-reduce)."""
+    bits = {"none": None, "int8": 8, "int4": 4}[compression]
+    if across_nodes:
+        book, share, times = _Book(Cluster(nodes, 1, LINKS["loopback"], LINKS["loopback"])), ranks_per_node, \
+            ranks_per_node
+    else:
+        book, share, times = _Book(Cluster(nodes, ranks_per_node, LINKS["loopback"], LINKS["loopback"])), 1, 1
+    n = -(-numel // share)
+    if bits is None:
+        book.all_reduce("all_reduce", 4 * n)
+    else:
+        padded = -(-n // book.W) * book.W
+        _qgz(book, "all_reduce", padded, bits, 2048)
+        _quantized_all_gather(book, "all_reduce", padded // book.W, bits, 2048)
+    return times * sum(c.node_link for c in book.calls) * WIRE_OVERHEAD
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from zpp.tune.cost import all_reduce_link_bytes
 from zpp.zero.checks import check_int, check_number
 from zpp.zero.outer_config import OUTER_COMPRESSIONS
 
@@ -107,7 +108,8 @@ def sync_seconds(points: Sequence[tuple[int, float]], nbytes: int) -> tuple[floa
 
 
 def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fragments: int = 4,
-           max_sync_every: int = 100, allow_1bit: bool = False) -> OuterAdvice:
+           max_sync_every: int = 100, allow_1bit: bool = False, nodes: int | None = None,
+           ranks_per_node: int | None = None) -> OuterAdvice:
     """The ``zpp.outer`` settings for a model of ``params`` trainable elements whose inner
     step takes ``step_s`` seconds, from ``zpp bench`` all_reduce rows (each with
     ``backend``); see [Note: choosing zpp.outer]. Rows with wrong values are ignored; for each
@@ -131,6 +133,10 @@ def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fra
         if not timed:
             continue
         (sync_s, extrapolated), backend = min(timed, key=lambda x: x[0][0])
+        if nodes is not None and ranks_per_node is not None and nodes > 1 and compression != "1bit":
+            numel = -(-nbytes // 4)
+            sync_s *= (all_reduce_link_bytes(compression, numel, nodes, ranks_per_node, across_nodes=True)
+                       / all_reduce_link_bytes(compression, numel, nodes, ranks_per_node, across_nodes=False))
         delay = math.ceil(HEADROOM * sync_s / step_s)
         every = max(math.ceil(HEADROOM * fragments * sync_s / step_s), delay + 1)
         options.append(OuterOption(compression, backend, sync_s, delay, every,
