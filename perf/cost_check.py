@@ -128,10 +128,9 @@ def compare(row: dict, mode: cost.Mode, shape, rate: str, prof: dict, unshaped: 
     c = cost.Cluster(nodes, rpn, intra, fast if rate == UNSHAPED else cost.LINKS[rate])
     units = cost.units_from_trace([n for n, _ in row["units"]], [bool(p) and mode.stage == 3 for _, p in row["units"]],
                                   [tuple(e) for e in row["gather_trace"]])
-    if unshaped is not None:  # the mode's compute here: its unshaped step less loopback communication
+    if unshaped is not None:  # the mode's compute here: its unshaped step less its communication
         loop = cost.Cluster(nodes, rpn, intra, fast)
-        _, loop_comm = cost.step_time(cost.traffic(mode, units, loop), loop, cost.Profile(0.0))
-        compute = max(0.0, unshaped["step_s"] - loop_comm)
+        compute = cost.compute_from_step(unshaped["step_s"], cost.traffic(mode, units, loop), loop)
     else:
         compute = compute_s(mode, prof, units, c.world)
     other = prof["peak_rss_bytes"] - 16 * prof["params"] if other_bytes is None else other_bytes
@@ -264,6 +263,10 @@ def main(argv=None) -> int:
                 if rate == UNSHAPED:
                     record["raw"].append({"shape": f"{shape[0]}x{shape[1]}", "rate": rate, "mode": "probe",
                                           "row": run_probe(shape, args, Path(tmp))})
+                    print(f"# {shape[0]}x{shape[1]} link probe: {json.dumps(record['raw'][-1]['row'])}", flush=True)
+                    record["runs"] = derive(record["raw"], prof)
+                    record["summary"] = summary(record["runs"])
+                    clusterlib.save(record, args.out)
                 for m in modes if not args.probe_only else ():
                     row = run_mode(m.name, shape, args, Path(tmp))
                     record["raw"].append({"shape": f"{shape[0]}x{shape[1]}", "rate": rate, "mode": m.name, "row": row})

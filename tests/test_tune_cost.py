@@ -94,6 +94,18 @@ def test_time_by_hand():
     assert comm == pytest.approx(want) and step == pytest.approx(2.0 + want)
     half, _ = cost.step_time(cost.Traffic((one,)), C22, Profile(compute_s=2.0, overlap=0.5))
     assert half == pytest.approx(2.0 + want / 2)
+    # a prefetched forward gather (stage 3) runs under the forward's compute (a third of it): it
+    # shows only where the forward's gathers together outlast that
+    g = cost.Call("forward gather", intra=0, inter=1, node_link=1_250_000, steps=0, prefetched=True)
+    tg = 1_250_000 * cost.WIRE_OVERHEAD / 12.5e6
+    assert cost.step_time(cost.Traffic((g, one)), C22, Profile(compute_s=2.0))[0] == pytest.approx(2.0 + want)
+    assert cost.step_time(cost.Traffic((g,) * 40 + (one,)), C22, Profile(compute_s=2.0))[0] == pytest.approx(
+        40 * tg + 2.0 * 2 / 3 + want)
+    # and compute_from_step inverts it, on either side of the forward's share
+    for k in (1, 40):
+        t = cost.Traffic((g,) * k + (one,))
+        step = cost.step_time(t, C22, Profile(compute_s=2.0))[0]
+        assert cost.compute_from_step(step, t, C22) == pytest.approx(2.0)
     p = Profile.from_flops(7_000_000_000, 1_000_000, peak_flops=1e15, mfu=0.5)
     assert p.compute_s == pytest.approx(6 * 7e9 * 1e6 / 5e14)
 

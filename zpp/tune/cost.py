@@ -50,11 +50,15 @@ counters over this rule on the emulated 2 x 2, perf/BENCHMARKS.md "The cost mode
 *Time.* Per collective call: ``max(t_inter, t_intra)`` with ``t_inter = alpha_e k + node
 bytes * WIRE_OVERHEAD / B_e`` (the node's link is shared by its ranks) and ``t_intra =
 alpha_i k + rank's intra bytes / B_i`` (``k``: the algorithm's sequential steps, ``W - 1``
-for a ring, 1 for a direct exchange). The step is ``compute_s`` + the sum over calls: zpp's
-reductions are synchronous today (``overlap`` = the fraction of the communication hidden,
-0 until reductions overlap the backward). ``compute_s`` comes from a profile: measured
-(the step without shaping, which includes quantization and the loopback transfers) or from
-FLOPs (``6 Psi tokens / (peak flops x mfu)``).
+for a ring, 1 for a direct exchange). Stage 3's forward gathers are prefetched (started
+ahead on the asynchronous all-gather, zpp/zero/prefetch.py) and run under the forward's
+compute (a third of forward + backward, ``FORWARD_SHARE``); in the backward the synchronous
+reduce-scatters queue behind the gathers on the same links, so the backward's gathers, the
+reductions and the rest count in line. The step is ``max(compute_s / 3, forward gathers) +
+2 compute_s / 3 + the other calls x (1 - overlap)`` (``overlap``: the fraction of those
+hidden, 0 until reductions overlap the backward). ``compute_s`` comes from a profile:
+measured (a run whose communication time the model knows, less that time) or from FLOPs
+(``6 Psi tokens / (peak flops x mfu)``).
 
 *Memory per rank (model states).* Parameters: ``b Psi`` unsharded, ``b Psi / W`` sharded
 (+ the hpZ secondary ``b Psi / R`` while valid); gradients: the fp32 full buffers while a
@@ -76,8 +80,12 @@ from zpp.zero.shard import SHARD_ALIGN
 
 __all__ = [
     "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
-    "WIRE_OVERHEAD", "all_reduce_link_bytes", "even_units", "memory", "predict", "step_time", "traffic", "units_from_trace",
+    "FORWARD_SHARE", "WIRE_OVERHEAD", "all_reduce_link_bytes", "compute_from_step", "even_units", "memory", "predict", "step_time", "traffic", "units_from_trace",
 ]
+
+FORWARD_SHARE = 1.0 / 3.0
+"""The forward's part of forward + backward compute (the backward computes two products per
+one of the forward)."""
 
 WIRE_OVERHEAD = 1.035
 """Bytes the kernel sends on an Ethernet link per byte of payload (headers): 236.1 MB on the
@@ -157,6 +165,8 @@ class Mode:
     """1-bit Adam after its freeze step (stage 0: the engine's 1-bit optimizers)."""
     outer: OuterSpec | None = None
     offload: bool = False
+    prefetch: bool = True
+    """Stage 3 gathers started ahead (``zpp.prefetch``); off, every gather waits in line."""
     weight_group_size: int = 2048
     gradient_group_size: int = 2048
 
@@ -186,6 +196,8 @@ class Mode:
             zpp["weight_bits"] = self.weight_bits
         if self.gradient_bits not in (None, 4):
             zpp["gradient_bits"] = self.gradient_bits
+        if not self.prefetch:
+            zpp["prefetch"] = False
         if self.outer is not None:
             zpp["outer"] = {"sync_every": self.outer.sync_every, "fragments": self.outer.fragments,
                             "compression": self.outer.compression, "delay": self.outer.delay}
@@ -259,6 +271,9 @@ class Call:
     background: bool = False
     """Runs beside the steps (the outer sync with ``delay`` > 0): only what the steps
     cannot cover shows in the step time."""
+    prefetched: bool = False
+    """A stage 3 forward gather started ahead of its use (zpp.zero.prefetch): it runs under
+    the forward's compute."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -295,6 +310,7 @@ class _Book:
         self.W = self.N * self.R
         self.calls: list[Call] = []
         self.background = False
+        self.prefetched = False
 
     def _peers(self, group: str) -> tuple[int, int]:
         """(peers on this node, peers on other nodes) in ``group``."""
@@ -315,7 +331,8 @@ class _Book:
     def add(self, what: str, group: str, per_peer: int, node_link: float, steps: int, weight: float) -> None:
         pi, pe = self._peers(group)
         if self._size(group) > 1:
-            self.calls.append(Call(what, pi * per_peer, pe * per_peer, node_link, steps, weight, self.background))
+            self.calls.append(Call(what, pi * per_peer, pe * per_peer, node_link, steps, weight, self.background,
+                                   self.prefetched))
 
     def all_gather(self, what: str, m: int, group: str = "world", weight: float = 1.0) -> None:
         self.add(what, group, m, self._ring_node(group, m), self._size(group) - 1, weight)
@@ -388,14 +405,17 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
         s = u.shard(W)
         p = s * W
         if mode.stage == 3 and not u.persistent:
+            book.prefetched = mode.prefetch
             for i, phase in enumerate(u.gathers):
                 what = f"{phase} gather"
+                book.prefetched = mode.prefetch and phase == "forward"
                 if mode.hpz and book.R > 1 and i > 0:  # from the node's secondary shards
                     book.all_gather(what, param_bytes * p // book.R, "intra")
                 elif phase == "forward" and mode.weight_bits is not None:
                     _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size)
                 else:
                     book.all_gather(what, param_bytes * s)
+            book.prefetched = False
             if mode.gradient_bits is not None:
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
             else:
@@ -493,10 +513,25 @@ def call_time(c: Call, cluster: Cluster) -> float:
 def step_time(t: Traffic, cluster: Cluster, profile: Profile) -> tuple[float, float]:
     """(step seconds, communication seconds) of one step. Background calls (the outer sync
     with ``delay`` > 0) show only where they exceed the step they run beside."""
-    fg = sum(call_time(c, cluster) * c.weight for c in t.calls if not c.background)
+    sync = sum(call_time(c, cluster) * c.weight for c in t.calls if not (c.background or c.prefetched))
+    ahead = sum(call_time(c, cluster) * c.weight for c in t.calls if c.prefetched)
     bg = sum(call_time(c, cluster) * c.weight for c in t.calls if c.background)
-    step = profile.compute_s + fg * (1.0 - profile.overlap)
-    return step + max(0.0, bg - step), fg + bg
+    fwd = profile.compute_s * FORWARD_SHARE
+    step = max(fwd, ahead) + profile.compute_s - fwd + sync * (1.0 - profile.overlap)
+    return step + max(0.0, bg - step), sync + ahead + bg
+
+
+def compute_from_step(step_s: float, t: Traffic, cluster: Cluster) -> float:
+    """The compute of a measured step whose calls are ``t`` (:func:`step_time` solved for
+    ``compute_s``; 0 when the communication alone explains the step)."""
+    _, comm = step_time(t, cluster, Profile(0.0))
+    ahead = sum(call_time(c, cluster) * c.weight for c in t.calls if c.prefetched)
+    bg = sum(call_time(c, cluster) * c.weight for c in t.calls if c.background)
+    rest = step_s - (comm - ahead - bg)  # = max(F c, ahead) + (1 - F) c
+    c = rest
+    if ahead > FORWARD_SHARE * c:  # the forward waited on its gathers
+        c = (rest - ahead) / (1.0 - FORWARD_SHARE)
+    return max(0.0, c)
 
 
 def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,

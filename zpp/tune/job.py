@@ -8,15 +8,16 @@ job's config written with the winner's sections.
 
 [Note: tuning a job]
 1. *Profile*: the job runs under ZeRO-3 (:mod:`zpp.zero.trial`: the job's own script, data
-   and micro-batch; its ``zero_optimization`` replaced) from ``start_profile_step`` to
+   and micro-batch; its mode's switches replaced) from ``start_profile_step`` to
    ``end_profile_step`` (DeepSpeed's ``autotuning`` keys; defaults 2 and 5). It reports the
    step time, the engine's units and gather trace, the bytes, the peak RSS, and the time of
    a 1 MiB-per-rank all-gather over the world and inside the node.
 2. *Links*: from the probes, with the cost model's node-link rule: the link between nodes
    carries ``(W - 1) x 1 MiB`` per node in the world probe, a node's link inside ``(R - 1) x
    1 MiB`` per rank; bandwidth = bytes / time (latency taken as 50 us).
-3. *Compute*: the profiled step less the model's communication time for ZeRO-3 on those
-   links; the same compute for every candidate (its quantization and the optimizer's share
+3. *Compute*: the profiled step solved for the compute under the model's time rule
+   (:func:`zpp.tune.cost.compute_from_step`: the forward's gathers under a third of it, the
+   rest in line); the same compute for every candidate (its quantization and the optimizer's share
    are left to the confirming runs). Memory beside the model states: the profile's peak
    RSS less the model's ZeRO-3 state peak.
 4. *Predict* every candidate (ZeRO stages 1-3 and the ZeRO++ switches; 1-bit Adam and the
@@ -25,7 +26,8 @@ job's config written with the winner's sections.
 5. *Confirm* the ``tuner_num_trials`` (default 3) fastest predicted by running each as in 1;
    the winner is the fastest *measured*. The report (``--report``) lists every candidate,
    predicted and measured, and why the winner won; ``--out`` is the job's config (``--config``
-   or empty) with the winner's sections, ready to run unchanged.
+   or empty) with the winner's sections, ready to run unchanged. Each run's output goes to
+   the report (``logs``), not to the terminal; a failed run's last lines are printed.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ __all__ = ["CANDIDATES", "add_arguments", "links_from_probe", "run"]
 
 CANDIDATES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp")
 PROFILE_MODE = "zero3"
+PROFILE = cost.MODES[PROFILE_MODE]
+"""The profiling run: ZeRO-3 (its gather trace gives every stage 3 candidate's gathers)."""
 DEFAULT_OUT = "zpp_tuned.json"
 DEFAULT_REPORT = "zpp_tune_report.json"
 LATENCY_S = 50e-6
@@ -84,18 +88,33 @@ class _Runner:
         self.args, self.command, self.tmp, self.start, self.end = args, command, tmp, start, end
         self.rpn = args.ranks_per_node or (1 if args.cluster else 2)
         self.nprocs = args.nprocs or 4
+        self.logs: dict[str, str] = {}
 
     def __call__(self, mode: cost.Mode) -> dict[str, Any]:
-        trial = self.tmp / f"{mode.name}.trial.json"
-        out = self.tmp / f"{mode.name}.metrics.json"
+        tag = mode.name.split(" ")[0]
+        trial = self.tmp / f"{tag}.trial.json"
+        out = self.tmp / f"{tag}.metrics.json"
         trial.write_text(json.dumps({"overrides": mode.config(self.rpn), "start": self.start, "end": self.end,
                                      "out": str(out)}))
         env = {TRIAL_ENV: str(trial)}
+        log = self.tmp / f"{tag}.log"
         print(f"zpp tune --job: running {mode.name} ...", file=sys.stderr, flush=True)
+        with open(log, "w") as f:
+            rc = self._launch(env, f)
+        self.logs[mode.name] = log.read_text()[-20000:]
+        if rc != 0 or not out.exists():
+            tail = "\n".join(self.logs[mode.name].splitlines()[-15:])
+            print(f"zpp tune --job: {mode.name} failed (status {rc}); its last lines:\n{tail}", file=sys.stderr)
+            return {"error": f"the job exited with status {rc}" + ("" if out.exists() else
+                                                                      f" before its step {self.end}")}
+        return json.loads(out.read_text())
+
+    def _launch(self, env: dict[str, str], f) -> int:
         if self.args.cluster:
             from zpp import cluster
 
-            rc = cluster.run(self.command, ranks_per_node=self.rpn, env=env, timeout=self.args.job_timeout)
+            return cluster.run(self.command, ranks_per_node=self.rpn, env=env, timeout=self.args.job_timeout,
+                               stdout=f, stderr=f)
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nprocs}",
                    f"--master-port={_free_port()}"]
@@ -103,12 +122,8 @@ class _Runner:
                 cmd += self.command[1:]
             else:
                 cmd += ["--no-python", *self.command]
-            rc = subprocess.run(cmd, env={**os.environ, **env, "ZPP_RANKS_PER_NODE": str(self.rpn)},
-                                timeout=self.args.job_timeout).returncode
-        if rc != 0 or not out.exists():
-            return {"error": f"the job exited with status {rc}" + ("" if out.exists() else
-                                                                      f" before its step {self.end}")}
-        return json.loads(out.read_text())
+            return subprocess.run(cmd, env={**os.environ, **env, "ZPP_RANKS_PER_NODE": str(self.rpn)},
+                                  stdout=f, stderr=subprocess.STDOUT, timeout=self.args.job_timeout).returncode
 
 
 def _free_port() -> int:
@@ -137,11 +152,12 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             parser.error(f"--candidates: {n!r} is not one of {', '.join(CANDIDATES)}")
     with tempfile.TemporaryDirectory(prefix="zpp-tune-job-") as tmp:
         runner = _Runner(args, command, Path(tmp), start, end)
-        prof = runner(cost.MODES[PROFILE_MODE])
+        prof = runner(PROFILE)
         if "error" in prof:
             print(f"zpp tune --job: the profiling run failed: {prof['error']}", file=sys.stderr)
             return 1
         report = choose(prof, names, runner, confirm=confirm, memory_gb=args.memory_gb)
+        report["logs"] = runner.logs
     winner = cost.MODES[report["winner"]]
     tuned = apply(base, {"overrides": winner.config(prof["ranks_per_node"])})
     tuned.pop("autotuning", None)
@@ -159,19 +175,19 @@ def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memo
     intra, inter = links_from_probe(prof)
     cluster = cost.Cluster(prof["nodes"], prof["ranks_per_node"], intra, inter)
     units = _units(prof)
-    z3 = cost.MODES[PROFILE_MODE]
-    _, z3_comm = cost.step_time(cost.traffic(z3, units, cluster), cluster, cost.Profile(0.0))
-    compute = max(0.0, prof["step_s"] - z3_comm)
-    other = int(prof["peak_rss_bytes"] - cost.memory(z3, units, cluster)["peak"])
+    compute = cost.compute_from_step(prof["step_s"], cost.traffic(PROFILE, units, cluster), cluster)
+    other = int(prof["peak_rss_bytes"] - cost.memory(PROFILE, units, cluster)["peak"])
     profile = cost.Profile(compute, other)
     rows = {}
     for n in names:
+
         p = cost.predict([cost.MODES[n]], units=units, cluster=cluster, profile=profile)[0]
         rows[n] = {"mode": n, "pred_step_s": p.step_s, "pred_inter_bytes": p.inter_bytes,
                    "pred_intra_bytes": p.intra_bytes, "pred_peak_bytes": p.peak_bytes,
                    "fits": memory_gb is None or p.peak_bytes <= memory_gb * 1e9}
-    rows[PROFILE_MODE] = {**rows.get(PROFILE_MODE, {"mode": PROFILE_MODE}), "measured_step_s": prof["step_s"],
-                          "measured_inter_bytes": prof["inter_bytes"], "measured_peak_bytes": prof["peak_rss_bytes"]}
+    if PROFILE_MODE in rows:
+        rows[PROFILE_MODE].update(measured_step_s=prof["step_s"], measured_inter_bytes=prof["inter_bytes"],
+                                  measured_peak_bytes=prof["peak_rss_bytes"])
     ranked = sorted((r for r in rows.values() if r.get("fits", True) and "pred_step_s" in r),
                     key=lambda r: r["pred_step_s"])
     for r in ranked[:confirm]:
