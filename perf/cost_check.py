@@ -226,6 +226,33 @@ def derive(raw: list[dict], prof: dict) -> list[dict]:
     return rows
 
 
+def markdown(record: dict) -> str:
+    """The tables for perf/BENCHMARKS.md: per shape and rate, the step-time errors (median and
+    worst), the node-link byte error, bytes exact or not, the memory error, and the choice."""
+    ok = [r for r in record["runs"] if "error" not in r]
+    choice = {(c["shape"], c["rate"]): c for c in record["summary"]["choices"]}
+    lines = ["| shape | rate | modes | step error median (worst) | node-link bytes error median | counters | "
+             "peak memory error median | predicted fastest | measured fastest | chosen / fastest |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["shape"], r["rate"]) for r in ok):
+        g = [r for r in ok if (r["shape"], r["rate"]) == key]
+        steps = [r["step_err"] for r in g if r["rate"] != UNSHAPED]
+        links = [r["link_err"] for r in g if r["link_err"] is not None]
+        mems = [r["mem_err"] for r in g if r["mem_err"] is not None]
+        c = choice.get(key)
+        step = "(profile)" if key[1] == UNSHAPED else f"{statistics.median(steps):.1%} ({max(steps):.1%})"
+        pick = (f"{c['chosen']} | {c['fastest']} | {c['chosen_over_fastest']:.2f}" if c else "- | - | -")
+        lines.append(f"| {key[0]} | {'unshaped' if key[1] == UNSHAPED else key[1]} | {len(g)} | {step} | "
+                     f"{statistics.median(links):.1%} | {'exact' if all(r['bytes_exact'] for r in g) else 'DIFF'} | "
+                     f"{statistics.median(mems):.1%} | {pick} |")
+    s = record["summary"]
+    lines.append("")
+    lines.append(f"Over every shaped row: step error median {s['step_err_median']:.1%}, node-link bytes "
+                 f"{s['link_err_median']:.1%}, peak memory {s['mem_err_median']:.1%}; counters exact: "
+                 f"{s['bytes_exact']}.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     trainlib.add_model_args(ap, n_layer=4, n_embd=256, block=128, batch=4, steps=2, warmup=1)
@@ -249,6 +276,7 @@ def main(argv=None) -> int:
         clusterlib.save(record, args.out)
         print_rows(record["runs"])
         print(json.dumps(record["summary"], indent=1))
+        print(markdown(record))
         return 0
     modes = [cost.MODES[m] for m in args.modes.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
