@@ -22,9 +22,10 @@ from zpp.comm.topology import topology_of
 from zpp.zero.comm_api import Comms, Phase
 from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.gather import GATHERS, PlainGather, QuantizedGather, SecondaryGather, build_gathers
+from zpp.zero.gather.hpz import SecondaryState
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.reduce import REDUCES, build_reduce
-from zpp.zero.shard import FlatLayout, FlatShard, SecondaryState
+from zpp.zero.shard import FlatLayout, FlatShard
 
 NUMELS = (5, 1000, 12345)  # odd, one group, many groups
 
@@ -68,13 +69,14 @@ def _check_gathers(t):
         # hpZ over either: the world gather, then the same from the node's secondary shards
         for inner, expect in ((plain, full), (qwz, want)):
             hpz = SecondaryGather(comms, inner)
-            f.invalidate_secondary()
+            assert hpz.secondaries.state(f) is SecondaryState.ABSENT and hpz.kept(f) == []
             t.counters.reset()
             first = _gather(hpz, f)
             assert torch.equal(first, expect), numel
-            assert f.secondary_state is SecondaryState.VALID
+            assert hpz.secondaries.state(f) is SecondaryState.VALID
             n = lay.padded_numel // topo.ranks_per_node
-            assert torch.equal(f.secondary, expect[topo.local_rank * n:(topo.local_rank + 1) * n])
+            assert torch.equal(hpz.secondaries.get(f), expect[topo.local_rank * n:(topo.local_rank + 1) * n])
+            assert [t.data_ptr() for t in hpz.kept(f)] == [hpz.secondaries.get(f).data_ptr()]
             assert t.counters.total().inter_bytes > 0
             t.counters.reset()
             topo.intra.counters.reset()
@@ -82,6 +84,8 @@ def _check_gathers(t):
             assert torch.equal(second, expect), numel
             assert t.counters.total().inter_bytes == 0 and topo.intra.counters.total().inter_bytes == 0
             assert topo.intra.counters.total().intra_bytes + t.counters.total().intra_bytes > 0
+            hpz.weights_changed(f)  # the weights changed: the next gather goes over the world again
+            assert hpz.secondaries.state(f) is SecondaryState.ABSENT
     return True
 
 

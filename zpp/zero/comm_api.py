@@ -63,6 +63,15 @@ class WeightGather(abc.ABC):
         """After the work completed: keep what the strategy keeps from ``full`` (hpZ's
         secondary slice). Default: nothing."""
 
+    def kept(self, flat: FlatShard) -> list[torch.Tensor]:
+        """What the strategy keeps for ``flat`` between gathers (for memory accounting).
+        Default: nothing."""
+        return []
+
+    def weights_changed(self, flat: FlatShard | None = None) -> None:  # noqa: B027 - optional hook
+        """The shards changed (an optimizer step, a skipped one, a checkpoint load): drop what
+        the strategy keeps of ``flat`` (None: of every unit). Default: nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -72,6 +81,9 @@ class GradReduce(abc.ABC):
 
     name: str = ""
     """The registry name (``zpp.gradient_reduce``)."""
+    averages: bool = True
+    """The result is the mean over the ranks; False: each rank keeps its own gradient (the
+    optimizer averages: 1-bit), which the gradient check treats as local."""
 
     @abc.abstractmethod
     def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:

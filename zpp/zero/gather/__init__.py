@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zpp.zero.comm_api import Comms, Phase, WeightGather
-from zpp.zero.gather.hpz import SecondaryGather
+from zpp.zero.gather.hpz import Secondaries, SecondaryGather
 from zpp.zero.gather.plain import PlainGather
 from zpp.zero.gather.qwz import QuantizedGather
 from zpp.zero.policy import ShardingPolicy
@@ -55,6 +55,7 @@ def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGat
     name = forward_gather_name(comms)
     forward = plain if name == "plain" else GATHERS[name](comms)
     backward = plain
-    if policy.secondary_degree > 1:
-        forward, backward = SecondaryGather(comms, forward), SecondaryGather(comms, backward)
+    if policy.secondary_degree > 1:  # one store: see [Note: the secondary shard belongs to hpZ]
+        store = Secondaries(comms.topology)
+        forward, backward = SecondaryGather(comms, forward, store), SecondaryGather(comms, backward, store)
     return {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.EXACT: plain}

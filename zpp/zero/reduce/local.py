@@ -20,6 +20,7 @@ class LocalGrad(GradReduce):
     """Returns this rank's own gradient: nothing is communicated."""
 
     name = "local"
+    averages = False
 
     def __init__(self, comms: Comms) -> None:
         del comms
