@@ -43,7 +43,8 @@ class Comms:
     world: Transport
     """Every data-parallel rank."""
     topology: Topology | None
-    """The node structure of ``world`` where a strategy needs it (hpZ, qgZ), else None."""
+    """The node structure of ``world`` when a chosen strategy needs it (``needs``: hpZ,
+    qgZ), else None."""
     config: TrainConfig
     """The engine's configuration (bits, group sizes)."""
 
@@ -53,6 +54,9 @@ class WeightGather(abc.ABC):
 
     name: str = ""
     """The registry name (``zpp.weight_gather``)."""
+    needs: frozenset[str] = frozenset()
+    """The resources it communicates over besides the world (names of
+    :data:`zpp.zero.strategies.RESOURCES`: ``"topology"``); the engine builds them."""
 
     @abc.abstractmethod
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
@@ -81,6 +85,8 @@ class GradReduce(abc.ABC):
 
     name: str = ""
     """The registry name (``zpp.gradient_reduce``)."""
+    needs: frozenset[str] = frozenset()
+    """The resources it communicates over besides the world (see :attr:`WeightGather.needs`)."""
     averages: bool = True
     """The result is the mean over the ranks; False: each rank keeps its own gradient (the
     optimizer averages: 1-bit), which the gradient check treats as local."""

@@ -68,7 +68,7 @@ from zpp.zero import access, checkpoint
 from zpp.zero import init as zinit
 from zpp.zero.accessors import DeepSpeedAccessors
 from zpp.zero.agreement import check_same_config, check_same_parameters
-from zpp.zero.comm_api import Comms, Phase
+from zpp.zero.comm_api import Phase
 from zpp.zero.config import TrainConfig
 from zpp.zero.deepspeed_methods import DeepSpeedMethods
 from zpp.zero.gather import build_gathers
@@ -86,6 +86,7 @@ from zpp.zero.policy import ShardingPolicy
 from zpp.zero.precision import MODEL_DTYPES, cast_module, to_half
 from zpp.zero.prefetch import Prefetcher, PrefetchStats
 from zpp.zero.reduce import build_reduce
+from zpp.zero.strategies import build_comms
 from zpp.zero.unit import Unit, UnitComms
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -152,7 +153,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
                             "broadcast to every rank (seed the model identically to avoid this, or set "
                             "zpp.parameter_mismatch='raise')", len(synced), synced[0])
         world = self.world = data_parallel_world(world, config)  # zpp.outer: ZeRO inside the node
-        comms = Comms(world=world, topology=self._topology(), config=config)
+        comms = build_comms(world, config, policy)  # with what the chosen strategies need
         first = next(module.parameters(), None)
         self.offload = Offload.from_config(config, first.device if first is not None else torch.device("cpu"))
         self.comms = UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy),
@@ -215,22 +216,6 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
                    persistent: bool) -> Unit:
         return Unit(index, [n for n, _ in named], [p for _, p in named], group=group, comms=self.comms,
                     persistent=persistent)
-
-    def _topology(self):
-        """The world's node structure when a collective needs it (hpZ, qgZ), else None."""
-        zero = self.train_config.zero
-        if not (self.policy.secondary_degree > 1 or (self.policy.shard_parameters and zero.quantized_gradients)):
-            return None
-        from zpp.comm.topology import topology_of
-
-        topology = topology_of(self.world)
-        h = self.policy.secondary_degree
-        if h > 1 and (self.world.world_size % h or h != topology.ranks_per_node):
-            raise ValueError(
-                f"zero_hpz_partition_size={h} must divide world_size={self.world.world_size} and equal the "
-                f"ranks per node ({topology.ranks_per_node}); the ranks per node come from ZPP_RANKS_PER_NODE, "
-                "else the launcher's LOCAL_WORLD_SIZE, else the MPI shared-memory split")
-        return topology
 
     def _broadcast_buffers(self) -> None:
         for _name, b in self.module.named_buffers():

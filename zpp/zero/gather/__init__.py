@@ -25,7 +25,7 @@ from zpp.zero.gather.plain import PlainGather
 from zpp.zero.gather.qwz import QuantizedGather
 from zpp.zero.policy import ShardingPolicy
 
-__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers"]
+__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers", "gather_needs"]
 
 #: name -> factory(comms)
 GATHERS: dict[str, Callable[[Comms], WeightGather]] = {
@@ -45,6 +45,14 @@ def forward_gather_name(comms: Comms) -> str:
         raise ValueError(f"zpp.weight_gather={name!r} contradicts zero_quantized_weights=true (which is 'qwz'); "
                          "set one of them")
     return name
+
+
+def gather_needs(comms: Comms, policy: ShardingPolicy) -> frozenset[str]:
+    """The resources the gathers :func:`build_gathers` would build need (nothing built)."""
+    if not policy.shard_parameters:
+        return frozenset()
+    needs = PlainGather.needs | GATHERS[forward_gather_name(comms)].needs
+    return needs | SecondaryGather.needs if policy.secondary_degree > 1 else needs
 
 
 def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGather]:

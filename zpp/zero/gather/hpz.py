@@ -75,10 +75,17 @@ class SecondaryGather(WeightGather):
     shared with the engine's other hpZ gather (Default: a new one)."""
 
     name = "hpz"
+    needs = frozenset({"topology"})
 
     def __init__(self, comms: Comms, inner: WeightGather, secondaries: Secondaries | None = None) -> None:
         if comms.topology is None:
             raise ValueError("SecondaryGather: hpZ needs the topology of the world")
+        h, world_size, k = comms.config.zero.hpz_partition_size, comms.world.world_size, comms.topology.ranks_per_node
+        if h > 1 and (world_size % h or h != k):
+            raise ValueError(
+                f"zero_hpz_partition_size={h} must divide world_size={world_size} and equal the ranks per node "
+                f"({k}); the ranks per node come from ZPP_RANKS_PER_NODE, else the launcher's LOCAL_WORLD_SIZE, "
+                "else the MPI shared-memory split")
         self.topology = comms.topology
         self.inner = inner
         self.secondaries = secondaries if secondaries is not None else Secondaries(comms.topology)

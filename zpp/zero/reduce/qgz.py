@@ -26,6 +26,7 @@ class QuantizedReduceScatter(GradReduce):
     """The two-hop quantized reduce-scatter over ``comms.topology``."""
 
     name = "qgz"
+    needs = frozenset({"topology"})
 
     def __init__(self, comms: Comms) -> None:
         if comms.topology is None:
