@@ -200,7 +200,7 @@ def test_registries_pick_from_the_config():
     p = {k: (g, r) for k, (g, r, _) in got[0].items()}
     topo = {k: v for k, (_, _, v) in got[0].items()}
     assert p["stage0"] == ({}, "all_reduce")
-    assert p["stage2"] == ({}, "reduce_scatter")
+    assert p["stage2"] == ({Phase.EXACT: "PlainGather()"}, "reduce_scatter")  # publishes the updated shards
     g, r = p["stage3"]
     assert g == {Phase.FORWARD: "PlainGather()", Phase.BACKWARD: "PlainGather()", Phase.EXACT: "PlainGather()"}
     assert r == "reduce_scatter"

@@ -53,7 +53,8 @@ class UnitComms:
     policy: ShardingPolicy
     """What is sharded."""
     gathers: dict[Phase, WeightGather]
-    """The weight gather of each phase (empty without sharded parameters)."""
+    """The weight gather of each phase (without sharded parameters: only ``Phase.EXACT``'s,
+    which publishes the updated shards, at stages 1-2)."""
     reduce: GradReduce
     """The gradient reduction."""
     offload: Offload = Offload()
@@ -265,7 +266,7 @@ class Unit:
         flat = lay.flatten([p.grad for p in self.params], torch.float32, f.device)
         for p in self.params:
             p.grad = None
-        reduced = self.comms.reduce(flat, lay)
+        reduced = self.comms.reduce.start(flat, lay).wait()  # see [Note: reductions return work]
         if f.master is not None and f.master.device != reduced.device:  # offloaded: to the host, overlapped
             self.host_grads.append(self.comms.offload.to_host(reduced))
         else:
@@ -312,7 +313,7 @@ class Unit:
         if not f.master_aliases_shard:
             f.shard.copy_(f.master.detach())
         if comms.policy.shard_optimizer_state and not self.shards_params and comms.world.world_size > 1:
-            comms.world.all_gather(f.full, f.shard.clone())
+            comms.gathers[Phase.EXACT].publish(f).wait()
         comms.weights_changed(f)
 
     def load_flat(self, values: torch.Tensor, master: torch.Tensor | None = None) -> None:

@@ -9,7 +9,9 @@ name        what crosses the wire                    file
             the node until the optimizer step
 ==========  =======================================  =============================
 
-The forward gather is ``zpp.weight_gather`` when set, else ``qwz`` with
+Without sharded parameters the only gather is :attr:`Phase.EXACT`'s ``plain``, which
+publishes the updated shards into the persistent parameters after each step (stages 1-2;
+none at stage 0, where nothing is sharded). The forward gather is ``zpp.weight_gather`` when set, else ``qwz`` with
 ``zero_quantized_weights`` and ``plain`` without; the backward gather is ``plain`` (ZeRO++
 keeps the backward in full precision); both are wrapped by hpZ when
 ``zero_hpz_partition_size > 1``. :attr:`Phase.EXACT` is always ``plain`` from the primary
@@ -56,9 +58,10 @@ def gather_needs(comms: Comms, policy: ShardingPolicy) -> frozenset[str]:
 
 
 def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGather]:
-    """The gather of each phase for an engine (stage 3); empty without sharded parameters."""
+    """The gather of each phase for an engine (stage 3); without sharded parameters only
+    the one that publishes updated shards (stages 1-2), or none (stage 0)."""
     if not policy.shard_parameters:
-        return {}
+        return {Phase.EXACT: PlainGather(comms)} if policy.gather_after_step else {}
     plain = PlainGather(comms)
     name = forward_gather_name(comms)
     forward = plain if name == "plain" else GATHERS[name](comms)
