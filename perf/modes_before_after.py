@@ -11,9 +11,13 @@ logical, intra-node and inter-node bytes) of every rank. The zpp under test is t
 Python imports (``PYTHONPATH`` first), so the same script measures any checkout.
 
 ``--save-dir D`` saves a checkpoint of every variant after STEPS steps into ``D/<variant>``
-and trains RESUME more steps (their losses are ``resumed``); ``--load-dir D`` instead builds
+and trains RESUME more steps (their losses are ``resumed``); ``--load-dir D`` also builds
 each variant afresh, loads ``D/<variant>`` (written by another revision) and trains RESUME
-steps: the ``resumed`` losses must equal those of the run that saved.
+steps (``loaded``): they must equal the ``resumed`` losses of the run that saved.
+
+``--compare BEFORE.json`` (a ``--json`` of another revision) writes, instead of this run's
+record alone, both records and per variant whether the losses, the bytes and the resumed
+losses are identical (this repository's perf/results/modes_before_after.json).
 """
 from __future__ import annotations
 
@@ -98,20 +102,22 @@ def _world(t, save_dir, load_dir):
         model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=128))
         engine, *_ = zz.initialize(model=model, config=_config(name), transport=t)
         t.counters.reset()
-        rec = {}
-        if load_dir is None:
-            rec["losses"] = _train(engine, batches[:STEPS])
-            if getattr(engine, "outer", None) is not None:  # a background sync still running books its bytes
-                engine.outer.wait()
-            rec["bytes"] = {k: [v.calls, v.logical_bytes, v.intra_bytes, v.inter_bytes]
-                            for k, v in sorted(t.counters.snapshot().items())}
-            if save_dir is not None:
-                engine.save_checkpoint(save_dir, tag=name)
-        else:
-            engine.load_checkpoint(load_dir, tag=name)
-        if save_dir is not None or load_dir is not None:
+        rec = {"losses": _train(engine, batches[:STEPS])}
+        if getattr(engine, "outer", None) is not None:  # a background sync still running books its bytes
+            engine.outer.wait()
+        rec["bytes"] = {k: [v.calls, v.logical_bytes, v.intra_bytes, v.inter_bytes]
+                        for k, v in sorted(t.counters.snapshot().items())}
+        if save_dir is not None:
+            engine.save_checkpoint(save_dir, tag=name)
             rec["resumed"] = _train(engine, batches[STEPS:])
         engine.close()
+        if load_dir is not None:
+            torch.manual_seed(1234)
+            model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=128))
+            engine, *_ = zz.initialize(model=model, config=_config(name), transport=t)
+            engine.load_checkpoint(load_dir, tag=name)
+            rec["loaded"] = _train(engine, batches[STEPS:])
+            engine.close()
         out[name] = rec
     return out
 
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--save-dir", help="save each variant's checkpoint here, then train RESUME steps")
     ap.add_argument("--load-dir", help="load each variant's checkpoint from here, then train RESUME steps")
+    ap.add_argument("--compare", help="a --json of another revision: write both and whether they are identical")
     args = ap.parse_args(argv)
     import runinfo
     import zpp
@@ -130,13 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_world(_world, 4, ranks_per_node=2, timeout=900, args=(args.save_dir, args.load_dir))
     variants = {name: {"losses": [r[name].get("losses") for r in per_rank],
                        "bytes": [r[name].get("bytes") for r in per_rank],
-                       "resumed": [r[name].get("resumed") for r in per_rank]} for name in VARIANTS}
+                       "resumed": [r[name].get("resumed") for r in per_rank],
+                       "loaded": [r[name].get("loaded") for r in per_rank]} for name in VARIANTS}
     zroot = Path(zpp.__file__).resolve().parent.parent
     record = {**runinfo.provenance(), "zpp": str(zroot), "zpp_revision": runinfo.git_revision(zroot),
               "world": "2 nodes x 2 ranks, gloo, loopback", "steps": STEPS, "variants": variants}
     for name, v in variants.items():
         inter = sum(b[3] for b in (v["bytes"][0] or {}).values())
-        print(f"{name:16s} losses(rank0)={v['losses'][0]} inter_bytes(rank0)={inter} resumed={v['resumed'][0]}")
+        print(f"{name:16s} losses(rank0)={v['losses'][0]} inter_bytes(rank0)={inter} resumed={v['resumed'][0]} "
+              f"loaded={v['loaded'][0]}")
+    if args.compare:
+        before = json.loads(Path(args.compare).read_text())
+        same = {name: {what: before["variants"][name][what] == v[what] for what in ("losses", "bytes", "resumed")}
+                for name, v in variants.items()}
+        if args.load_dir:  # the checkpoints of BEFORE, loaded here, train as they did there
+            for name, v in variants.items():
+                same[name]["loaded_before"] = before["variants"][name]["resumed"] == v["loaded"]
+        for name, s in same.items():
+            print(f"{name:16s} " + " ".join(f"{k} {'identical' if ok else 'DIFFERENT'}" for k, ok in s.items()))
+        record = {**runinfo.provenance(), "before": before, "after": record, "identical": same}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0
