@@ -4,8 +4,9 @@
     PYTHONPATH=/path/to/other/checkout python perf/modes_before_after.py --json before.json
 
 One 2 nodes x 2 ranks gloo world on loopback (``ZPP_RANKS_PER_NODE=2``); per variant
-(stages 1-3, qwZ, hpZ, qgZ, ZeRO++, 1-bit Adam, 0/1 Adam, 1-bit LAMB, fp16, offload, the
-hierarchical mode) a small GPT trains STEPS steps with gradient clipping; rank 0 prints the
+(stages 1-3, qwZ, hpZ, qgZ, ZeRO++, 1-bit Adam, 0/1 Adam, 1-bit LAMB, fp16, fp16 with
+overflows (skipped steps), offload, the hierarchical mode) a small GPT trains STEPS steps
+with gradient clipping; rank 0 prints the
 losses (``repr`` of each float) and the wire counters of the training steps (per op: calls,
 logical, intra-node and inter-node bytes) of every rank. The zpp under test is the one
 Python imports (``PYTHONPATH`` first), so the same script measures any checkout.
@@ -51,6 +52,9 @@ VARIANTS = {
        for name, extra in ONEBIT.items()},
     "fp16-stage2": ({"zero_optimization": {"stage": 2},
                      "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 3}}),
+    "fp16-skips-stage3": ({"zero_optimization": ZPP3,  # too large a scale: overflows, skipped steps
+                           "fp16": {"enabled": True, "initial_scale_power": 22, "loss_scale_window": 2,
+                                    "hysteresis": 1}}),
     "offload-stage3": ({"zero_optimization": {**ZPP3, "offload_optimizer": {"device": "cpu"},
                                               "offload_param": {"device": "cpu"}}}),
     "outer-stage2": ({"zero_optimization": {"stage": 2},
@@ -103,6 +107,7 @@ def _world(t, save_dir, load_dir):
         engine, *_ = zz.initialize(model=model, config=_config(name), transport=t)
         t.counters.reset()
         rec = {"losses": _train(engine, batches[:STEPS])}
+        rec["skipped"] = engine.skipped_steps
         if getattr(engine, "outer", None) is not None:  # a background sync still running books its bytes
             engine.outer.wait()
         rec["bytes"] = {k: [v.calls, v.logical_bytes, v.intra_bytes, v.inter_bytes]
@@ -138,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = {name: {"losses": [r[name].get("losses") for r in per_rank],
                        "bytes": [r[name].get("bytes") for r in per_rank],
                        "resumed": [r[name].get("resumed") for r in per_rank],
-                       "loaded": [r[name].get("loaded") for r in per_rank]} for name in VARIANTS}
+                       "loaded": [r[name].get("loaded") for r in per_rank],
+                       "skipped_steps": [r[name].get("skipped") for r in per_rank]} for name in VARIANTS}
     zroot = Path(zpp.__file__).resolve().parent.parent
     record = {**runinfo.provenance(), "zpp": str(zroot), "zpp_revision": runinfo.git_revision(zroot),
               "world": "2 nodes x 2 ranks, gloo, loopback", "steps": STEPS, "variants": variants}
