@@ -294,3 +294,20 @@ def test_qgz_by_name_trains():
         assert ops["quantized_reduce_scatter"][2] < plain_ops["reduce_scatter"][2], (rank, ops, plain_ops)
         gap = max(abs(a - b) / b for a, b in zip(losses, plain, strict=True))
         assert gap <= 0.08, (rank, losses, plain)  # test_zero_zeropp's bound for qgZ's first steps
+
+
+def _hpz_wrong_degree(t):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}, "zpp": {"check_metadata": False}}
+    try:
+        zz.initialize(model=_build("gpt", 0), config=cfg, transport=t)
+    except ValueError as e:
+        t.barrier()  # every rank has built its groups before rank 0's store goes away
+        return str(e)
+    return None
+
+
+def test_hpz_degree_must_be_the_ranks_per_node():
+    """hpZ's check of its degree against the topology it needs, raised on every rank."""
+    for msg in run_world(_hpz_wrong_degree, 4, ranks_per_node=2, timeout=90):
+        assert msg is not None and "zero_hpz_partition_size=4" in msg and "ranks per node (2)" in msg, msg
