@@ -16,15 +16,17 @@ import zpp.zero as zz
 from tests.dist import run_world
 from tests.gpt import GPT, GPTConfig
 from tests.test_collectives import _simulate_qgz
-from tests.test_zero_engine import _batches, train_steps
+from tests.test_zero_engine import _batches, _build, train_steps
 from zpp.comm.collectives import effective_group_size
 from zpp.comm.topology import topology_of
 from zpp.zero.comm_api import Comms, Phase
 from zpp.zero.deepspeed_config import from_deepspeed
 from zpp.zero.gather import GATHERS, PlainGather, QuantizedGather, SecondaryGather, build_gathers
+from zpp.zero.gather.hpz import SecondaryState
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.reduce import REDUCES, build_reduce
-from zpp.zero.shard import FlatLayout, FlatShard, SecondaryState
+from zpp.zero.shard import FlatLayout, FlatShard
+from zpp.zero.strategies import build_comms
 
 NUMELS = (5, 1000, 12345)  # odd, one group, many groups
 
@@ -68,13 +70,14 @@ def _check_gathers(t):
         # hpZ over either: the world gather, then the same from the node's secondary shards
         for inner, expect in ((plain, full), (qwz, want)):
             hpz = SecondaryGather(comms, inner)
-            f.invalidate_secondary()
+            assert hpz.secondaries.state(f) is SecondaryState.ABSENT and hpz.kept(f) == []
             t.counters.reset()
             first = _gather(hpz, f)
             assert torch.equal(first, expect), numel
-            assert f.secondary_state is SecondaryState.VALID
+            assert hpz.secondaries.state(f) is SecondaryState.VALID
             n = lay.padded_numel // topo.ranks_per_node
-            assert torch.equal(f.secondary, expect[topo.local_rank * n:(topo.local_rank + 1) * n])
+            assert torch.equal(hpz.secondaries.get(f), expect[topo.local_rank * n:(topo.local_rank + 1) * n])
+            assert [t.data_ptr() for t in hpz.kept(f)] == [hpz.secondaries.get(f).data_ptr()]
             assert t.counters.total().inter_bytes > 0
             t.counters.reset()
             topo.intra.counters.reset()
@@ -82,6 +85,8 @@ def _check_gathers(t):
             assert torch.equal(second, expect), numel
             assert t.counters.total().inter_bytes == 0 and topo.intra.counters.total().inter_bytes == 0
             assert topo.intra.counters.total().intra_bytes + t.counters.total().intra_bytes > 0
+            hpz.weights_changed(f)  # the weights changed: the next gather goes over the world again
+            assert hpz.secondaries.state(f) is SecondaryState.ABSENT
     return True
 
 
@@ -146,35 +151,72 @@ def test_policy_rejects_impossible_combinations():
 
 
 class _OneRank:
-    """What the registries read of a world and its topology before anything is communicated."""
+    """What the registries read of a world before anything is communicated (the refusals
+    below raise while resolving names, before any resource is built)."""
 
     world_size, rank, ranks_per_node = 4, 0, 2
 
 
 def _pick(ds):
     cfg = from_deepspeed(ds)
-    comms = Comms(world=_OneRank(), topology=_OneRank(), config=cfg)
+    comms = Comms(world=_OneRank(), topology=None, config=cfg)
     policy = ShardingPolicy.from_config(cfg)
     gathers = build_gathers(comms, policy)
     return {ph: repr(g) for ph, g in gathers.items()}, type(build_reduce(comms, policy)).name
 
 
+PICKS = {
+    "stage0": {"zero_optimization": {"stage": 0}},
+    "stage2": {"zero_optimization": {"stage": 2}},
+    "stage3": {"zero_optimization": {"stage": 3}},
+    "zeropp": {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                     "zero_hpz_partition_size": 2}},
+    "onebit": {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}},
+    "qwz-by-name": {"zero_optimization": {"stage": 3}, "zpp": {"weight_gather": "qwz"}},
+    "qgz-by-name": {"zero_optimization": {"stage": 3}, "zpp": {"gradient_reduce": "qgz"}},
+    "qgz-by-name-stage2": {"zero_optimization": {"stage": 2}, "zpp": {"gradient_reduce": "qgz"}},
+}
+
+
+def _picks(t):
+    """Each config's strategies as the engine builds them, with the resources they need
+    (the real topology of a 2 nodes x 2 world, built only where a strategy needs it)."""
+    out = {}
+    for key, ds in PICKS.items():
+        cfg = from_deepspeed(ds)
+        policy = ShardingPolicy.from_config(cfg)
+        comms = build_comms(t, cfg, policy)
+        gathers = build_gathers(comms, policy)
+        reduce = build_reduce(comms, policy)
+        out[key] = ({ph: repr(g) for ph, g in gathers.items()}, reduce.name,
+                    None if comms.topology is None else comms.topology.ranks_per_node)
+    t.barrier()  # every rank has built its groups before rank 0's store goes away
+    return out
+
+
 def test_registries_pick_from_the_config():
-    assert _pick({"zero_optimization": {"stage": 0}}) == ({}, "all_reduce")
-    assert _pick({"zero_optimization": {"stage": 2}}) == ({}, "reduce_scatter")
-    g, r = _pick({"zero_optimization": {"stage": 3}})
+    got = run_world(_picks, 4, ranks_per_node=2, timeout=90)
+    assert all(r == got[0] for r in got)
+    p = {k: (g, r) for k, (g, r, _) in got[0].items()}
+    topo = {k: v for k, (_, _, v) in got[0].items()}
+    assert p["stage0"] == ({}, "all_reduce")
+    assert p["stage2"] == ({Phase.EXACT: "PlainGather()"}, "reduce_scatter")  # publishes the updated shards
+    g, r = p["stage3"]
     assert g == {Phase.FORWARD: "PlainGather()", Phase.BACKWARD: "PlainGather()", Phase.EXACT: "PlainGather()"}
     assert r == "reduce_scatter"
-    g, r = _pick({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
-                                        "zero_hpz_partition_size": 2}})
+    g, r = p["zeropp"]
     assert g[Phase.FORWARD].startswith("SecondaryGather(QuantizedGather(bits=8")
     assert g[Phase.BACKWARD].startswith("SecondaryGather(PlainGather()")
     assert g[Phase.EXACT] == "PlainGather()" and r == "qgz"
-    assert _pick({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}})[1] == "local"
+    assert p["onebit"][1] == "local"
     # by name
-    g, _ = _pick({"zero_optimization": {"stage": 3}, "zpp": {"weight_gather": "qwz"}})
-    assert g[Phase.FORWARD].startswith("QuantizedGather")
+    assert p["qwz-by-name"][0][Phase.FORWARD].startswith("QuantizedGather")
+    assert p["qgz-by-name"][1] == "qgz" and p["qgz-by-name-stage2"][1] == "qgz"
+    # the topology is built from what the chosen strategies need, not from the switches
+    assert topo == {"stage0": None, "stage2": None, "stage3": None, "zeropp": 2, "onebit": None,
+                    "qwz-by-name": None, "qgz-by-name": 2, "qgz-by-name-stage2": 2}
     assert set(GATHERS) == {"plain", "qwz"} and set(REDUCES) == {"all_reduce", "reduce_scatter", "qgz", "local"}
+    assert REDUCES["qgz"].needs == SecondaryGather.needs == frozenset({"topology"})
 
 
 @pytest.mark.parametrize("ds, match", [
@@ -219,3 +261,53 @@ def test_reshard_after_forward_false_skips_the_backward_gather():
         (l1, g1), (l0, g0) = r[True], r[False]
         assert l1 == l0  # bit-identical losses: the same weights, gathered once instead of twice
         assert g0 < 0.6 * g1, (g0, g1)
+
+
+def _qgz_by_name(t):
+    """qgZ chosen by name (``zpp.gradient_reduce``, without ``zero_quantized_gradients``):
+    at stage 3 the same training as the switch; at stage 2 too (the engine builds the
+    topology because qgZ needs it)."""
+    out = {}
+    batches = _batches("gpt", t.rank, 4)
+    for key, zero, zpp in (("switch", {"stage": 3, "zero_quantized_gradients": True}, {}),
+                           ("name", {"stage": 3}, {"gradient_reduce": "qgz"}),
+                           ("name-stage2", {"stage": 2}, {"gradient_reduce": "qgz"}),
+                           ("plain-stage2", {"stage": 2}, {})):
+        cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+               "zero_optimization": {**zero, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 700},
+               "zpp": {"check_metadata": False, **zpp}}
+        engine, *_ = zz.initialize(model=_build("gpt", 0), config=cfg, transport=t)
+        t.counters.reset()
+        losses = train_steps(engine, batches)
+        out[key] = (losses, {k: (v.calls, v.intra_bytes, v.inter_bytes) for k, v in t.counters.snapshot().items()},
+                    engine.comms.reduce.name)
+        engine.close()
+    return out
+
+
+def test_qgz_by_name_trains():
+    for rank, r in enumerate(run_world(_qgz_by_name, 4, ranks_per_node=2, timeout=120)):
+        assert r["name"] == r["switch"], rank
+        losses, ops, name = r["name-stage2"]
+        plain, plain_ops, _ = r["plain-stage2"]
+        assert name == "qgz" and "quantized_reduce_scatter" in ops and "reduce_scatter" not in ops, (rank, ops)
+        assert ops["quantized_reduce_scatter"][2] < plain_ops["reduce_scatter"][2], (rank, ops, plain_ops)
+        gap = max(abs(a - b) / b for a, b in zip(losses, plain, strict=True))
+        assert gap <= 0.08, (rank, losses, plain)  # test_zero_zeropp's bound for qgZ's first steps
+
+
+def _hpz_wrong_degree(t):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}, "zpp": {"check_metadata": False}}
+    try:
+        zz.initialize(model=_build("gpt", 0), config=cfg, transport=t)
+    except ValueError as e:
+        t.barrier()  # every rank has built its groups before rank 0's store goes away
+        return str(e)
+    return None
+
+
+def test_hpz_degree_must_be_the_ranks_per_node():
+    """hpZ's check of its degree against the topology it needs, raised on every rank."""
+    for msg in run_world(_hpz_wrong_degree, 4, ranks_per_node=2, timeout=90):
+        assert msg is not None and "zero_hpz_partition_size=4" in msg and "ranks per node (2)" in msg, msg

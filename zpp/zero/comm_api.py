@@ -33,7 +33,7 @@ class Phase(enum.Enum):
     """Before a module's backward (full precision; hpZ keeps it inside the node)."""
     EXACT = "exact"
     """Full precision from the primary shards, never from a secondary copy (consolidating
-    a state dict, reading parameters outside training)."""
+    a state dict, reading parameters outside training, publishing updated shards)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,7 +43,8 @@ class Comms:
     world: Transport
     """Every data-parallel rank."""
     topology: Topology | None
-    """The node structure of ``world`` where a strategy needs it (hpZ, qgZ), else None."""
+    """The node structure of ``world`` when a chosen strategy needs it (``needs``: hpZ,
+    qgZ), else None."""
     config: TrainConfig
     """The engine's configuration (bits, group sizes)."""
 
@@ -53,6 +54,9 @@ class WeightGather(abc.ABC):
 
     name: str = ""
     """The registry name (``zpp.weight_gather``)."""
+    needs: frozenset[str] = frozenset()
+    """The resources it communicates over besides the world (names of
+    :data:`zpp.zero.strategies.RESOURCES`: ``"topology"``); the engine builds them."""
 
     @abc.abstractmethod
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
@@ -63,8 +67,46 @@ class WeightGather(abc.ABC):
         """After the work completed: keep what the strategy keeps from ``full`` (hpZ's
         secondary slice). Default: nothing."""
 
+    def publish(self, flat: FlatShard) -> Work:
+        """Start filling the persistent full buffer ``flat.full`` (of which ``flat.shard`` is
+        a view) with every rank's updated shard, exactly: the step's publish at stages 1-2
+        and for persistent units at stage 3. Only the :attr:`Phase.EXACT` gather is asked."""
+        raise NotImplementedError(f"{type(self).__name__}.publish: this gather cannot publish updated shards")
+
+    def kept(self, flat: FlatShard) -> list[torch.Tensor]:
+        """What the strategy keeps for ``flat`` between gathers (for memory accounting).
+        Default: nothing."""
+        return []
+
+    def weights_changed(self, flat: FlatShard | None = None) -> None:  # noqa: B027 - optional hook
+        """The shards changed (an optimizer step, a skipped one, a checkpoint load): drop what
+        the strategy keeps of ``flat`` (None: of every unit). Default: nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class Reduction:
+    """A gradient reduction started by :meth:`GradReduce.start`; :meth:`wait` returns its
+    result (this rank's range of the mean) once the transport work behind it is done.
+
+    [Note: reductions return work]
+    The transports have no non-blocking reduce-scatter or all-to-all yet, so every
+    reduction today runs at :meth:`GradReduce.start` and returns a done ``Reduction``; the
+    API already separates starting from waiting so that a reduction can later overlap the
+    rest of the backward (``Unit.reduce_grads`` waits at once for now)."""
+
+    __slots__ = ("_result", "_work")
+
+    def __init__(self, result: torch.Tensor, work: Work | None = None) -> None:
+        self._result = result
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+        return self._result
 
 
 class GradReduce(abc.ABC):
@@ -72,12 +114,22 @@ class GradReduce(abc.ABC):
 
     name: str = ""
     """The registry name (``zpp.gradient_reduce``)."""
+    needs: frozenset[str] = frozenset()
+    """The resources it communicates over besides the world (see :attr:`WeightGather.needs`)."""
+    averages: bool = True
+    """The result is the mean over the ranks; False: each rank keeps its own gradient (the
+    optimizer averages: 1-bit), which the gradient check treats as local."""
 
     @abc.abstractmethod
+    def start(self, flat: torch.Tensor, layout: FlatLayout) -> Reduction:
+        """Start the reduction of ``flat``, this rank's gradient of the whole unit,
+        ``layout.padded_numel`` fp32 elements (the callee may reuse it). Its ``wait()`` gives
+        the mean over ranks of the range this rank owns (``layout.shard_numel`` elements;
+        all of it when ``layout.degree`` is 1). See [Note: reductions return work]."""
+
     def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
-        """``flat``: this rank's gradient of the whole unit, ``layout.padded_numel`` fp32
-        elements (the callee may reuse it). Returns the mean over ranks of the range this
-        rank owns (``layout.shard_numel`` elements; all of it when ``layout.degree`` is 1)."""
+        """:meth:`start`, waited for."""
+        return self.start(flat, layout).wait()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -11,6 +11,8 @@ Build it with :func:`zpp.initialize` (:mod:`zpp.zero.api`). Where each concern l
 :mod:`~zpp.zero.hooks`      the forward/backward hooks; :mod:`~zpp.zero.prefetch` gathers ahead
 :mod:`~zpp.zero.optimizer`  the optimizer and schedule over the fp32 masters (1-bit routing)
 :mod:`~zpp.zero.gradnorm`   gradient norm, the non-finite check, unscaling and clipping
+:mod:`~zpp.zero.modes`     the training modes, hooked into the step and checkpoints: fp16
+                            loss scaling, 1-bit optimizers, offload, the outer sync
 :mod:`~zpp.zero.loss_scale` fp16 loss scaling (DeepSpeed's static and dynamic rules)
 :mod:`~zpp.zero.checkpoint` sharded, reshardable checkpoints; the consolidated state dict
 :mod:`~zpp.zero.memory`     model-state bytes per rank
@@ -66,18 +68,17 @@ from zpp.zero import access, checkpoint
 from zpp.zero import init as zinit
 from zpp.zero.accessors import DeepSpeedAccessors
 from zpp.zero.agreement import check_same_config, check_same_parameters
-from zpp.zero.comm_api import Comms, Phase
+from zpp.zero.comm_api import Phase
 from zpp.zero.config import TrainConfig
 from zpp.zero.deepspeed_methods import DeepSpeedMethods
 from zpp.zero.gather import build_gathers
 from zpp.zero.gradnorm import check_grads, unscale_and_clip
 from zpp.zero.hooks import EngineHooks
-from zpp.zero.loss_scale import LossScaler
 from zpp.zero.memory import model_state_bytes
+from zpp.zero.modes import ModeAttributes, build_modes, data_parallel_world
 from zpp.zero.monitor import MonitorMaster
-from zpp.zero.offload import Offload, settle
+from zpp.zero.offload import Offload
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
-from zpp.zero.outer import build_outer, node_world
 from zpp.zero.param_groups import ParamGroups
 from zpp.zero.plan_bits import apply_plan
 from zpp.zero.planning import plan_units
@@ -85,13 +86,14 @@ from zpp.zero.policy import ShardingPolicy
 from zpp.zero.precision import MODEL_DTYPES, cast_module, to_half
 from zpp.zero.prefetch import Prefetcher, PrefetchStats
 from zpp.zero.reduce import build_reduce
+from zpp.zero.strategies import build_comms
 from zpp.zero.unit import Unit, UnitComms
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 log = logging.getLogger("zpp.zero")
 
 
-class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
+class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
     """Wraps a module for ZeRO data-parallel training, as DeepSpeed's engine does (an
     ``nn.Module`` holding the model as ``module``). Build it with :func:`initialize`.
 
@@ -104,6 +106,7 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         world: the data-parallel transport ZeRO shards over: every rank, or the ranks of this
             rank's node in the hierarchical mode (``zpp.outer``).
         job_world: the transport over every rank of the job (data, checkpoints, batch sizes).
+        modes: the training modes in force (:mod:`zpp.zero.modes`), in hook order.
         outer: the hierarchical mode's :class:`~zpp.zero.outer.OuterSync`, else None.
         tune_plan: the ``zpp tune`` plan applied to the qwZ/qgZ code widths (see [Note: the
             plan in the engine] in :mod:`zpp.zero.plan_bits`), else None.
@@ -149,8 +152,8 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
                 log.warning("zpp.initialize: %d parameters differed between ranks (first: %r); rank 0's were "
                             "broadcast to every rank (seed the model identically to avoid this, or set "
                             "zpp.parameter_mismatch='raise')", len(synced), synced[0])
-        world = self.world = node_world(world, config)  # zpp.outer: ZeRO inside the node
-        comms = Comms(world=world, topology=self._topology(), config=config)
+        world = self.world = data_parallel_world(world, config)  # zpp.outer: ZeRO inside the node
+        comms = build_comms(world, config, policy)  # with what the chosen strategies need
         first = next(module.parameters(), None)
         self.offload = Offload.from_config(config, first.device if first is not None else torch.device("cpu"))
         self.comms = UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy),
@@ -173,7 +176,7 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
                         getattr(log, level)("%s", line)
             self.optimizer, self.onebit_views = build_optimizer(config, optimizer, self.units, world, groups)
             self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.optimizer)
-            self.outer = build_outer(self)
+            self.modes = build_modes(self)
         except Exception:
             self.close()  # the model is whole and free again (every rank fails alike here)
             raise
@@ -188,9 +191,7 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         self.micro_steps = 0
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
-        self.loss_scaler = LossScaler.from_config(config.fp16)
         self._step_applied = False
-        self._mirror_overflow(False)
         self.monitor = MonitorMaster(config.monitor, rank=self.job_world.rank)  # see zpp.zero.monitor
 
     # ------------------------------------------------------------------ construction
@@ -215,22 +216,6 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
                    persistent: bool) -> Unit:
         return Unit(index, [n for n, _ in named], [p for _, p in named], group=group, comms=self.comms,
                     persistent=persistent)
-
-    def _topology(self):
-        """The world's node structure when a collective needs it (hpZ, qgZ), else None."""
-        zero = self.train_config.zero
-        if not (self.policy.secondary_degree > 1 or (self.policy.shard_parameters and zero.quantized_gradients)):
-            return None
-        from zpp.comm.topology import topology_of
-
-        topology = topology_of(self.world)
-        h = self.policy.secondary_degree
-        if h > 1 and (self.world.world_size % h or h != topology.ranks_per_node):
-            raise ValueError(
-                f"zero_hpz_partition_size={h} must divide world_size={self.world.world_size} and equal the "
-                f"ranks per node ({topology.ranks_per_node}); the ranks per node come from ZPP_RANKS_PER_NODE, "
-                "else the launcher's LOCAL_WORLD_SIZE, else the MPI shared-memory split")
-        return topology
 
     def _broadcast_buffers(self) -> None:
         for _name, b in self.module.named_buffers():
@@ -263,8 +248,8 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         self._require_optimizer("backward")
         gas = self.train_config.gradient_accumulation_steps
         returned = scaled = loss / gas if gas > 1 and scale_wrt_gas else loss
-        if self.loss_scaler.enabled:
-            scaled = scaled.float() * self.loss_scaler.cur_scale
+        for m in self.modes:
+            scaled = m.scale_loss(scaled)
         scaled.backward(retain_graph=retain_graph)
         if self.policy.reduce_each_micro_step:
             for u in self.units:
@@ -283,9 +268,10 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         """Count a micro-step; at the accumulation boundary (see [Note: the accumulation
         boundary] in :mod:`zpp.zero.deepspeed_methods`) reduce (unless reduced at every
         micro-step), check the gradients on every rank, then either skip the step (see
-        [Note: skipped steps]) or unscale (fp16) and clip them, run the optimizer on the
-        master shards, publish the new weights and advance the schedule
-        (``lr_scheduler.step(**lr_kwargs)``)."""
+        [Note: skipped steps]) or unscale and clip them, run the optimizer on the master
+        shards, publish the new weights and advance the schedule
+        (``lr_scheduler.step(**lr_kwargs)``); the modes' hooks run between (see [Note:
+        modes] in :mod:`zpp.zero.modes.base`)."""
         self._require_optimizer("step")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
@@ -299,71 +285,70 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
             for u in trained:
                 u.reduce_grads()
                 u.reduced = False
-        if self.offload.active:  # the reduced gradients' copies to the host: see [Note: offload]
-            settle()
-            for u in trained:
-                u.fold_host_grads()
-        clip, scale = self.train_config.gradient_clipping, self.loss_scaler.cur_scale
+        for m in self.modes:
+            m.after_reduce(trained)
+        clip, scale = self.train_config.gradient_clipping, self._grad_scale()
         check = check_grads(trained, world=self.world, clip=clip, sharded=self.comms.degree > 1,
-                            local=self.onebit_views is not None, scale=scale)
+                            local=not self.comms.reduce.averages, scale=scale)
         if not check.finite:
-            if self.outer is not None and self.outer.after_inner_step():  # see [Note: skipped steps and the
-                for u in trained:                                         # outer schedule] in zero/outer/sync.py
-                    u.publish()
             self._skip_step(trained)
             return
-        self.loss_scaler.update(False, step=self.global_steps + 1)
         self.last_grad_norm = unscale_and_clip(trained, norm=check.norm, clip=clip, scale=scale,
                                                unscaled=check.unscaled)
-        views = self.onebit_views or ()
-        for u, slot, v in views:
-            v.grad = u.flat.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        if not views:
-            for u in trained:
-                u.stage_grad()
+        for m in self.modes:
+            m.before_optimizer_step(trained)
+        for u in trained:
+            u.stage_grad()
         self.optimizer.step()
-        if self.outer is not None:  # an applied inner step: the outer sync (zpp.zero.outer) may land or start
-            self.outer.after_inner_step()
-        for v in views:
-            v.param.grad = None
+        for m in self.modes:
+            m.after_optimizer_step(trained)
         for u in trained:
             u.publish()
-        for u in self.units:
-            u.flat.invalidate_secondary()
+        self.comms.weights_changed()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self._step_applied = True
-        self._mirror_overflow(False)
         self._count_step()
         self.monitor.write_step(self)
 
+    def _grad_scale(self) -> float:
+        """The factor the gradients carry from the loss (the fp16 loss scale), 1 without."""
+        scale = 1.0
+        for m in self.modes:
+            if m.grad_scale != 1.0:
+                scale = m.grad_scale
+        return scale
+
     def _skip_step(self, trained: list[Unit]) -> None:
         """The step's gradients are not finite on some rank (every rank agrees, see
-        :mod:`zpp.zero.gradnorm`): drop them, count, log, update the loss scale, raise if
-        the config says so. See [Note: skipped steps]."""
+        :mod:`zpp.zero.gradnorm`): drop them, count, let the modes know (the fp16 loss scale
+        moves), log, raise if the config says so. See [Note: skipped steps]."""
         step = self.global_steps + 1
         for u in trained:
             u.flat.grad = None
             if u.flat.master is not None:
                 u.flat.master.grad = None
-        for u in self.units:
-            u.flat.invalidate_secondary()  # as after a step: the next passes gather as they would
+        self.comms.weights_changed()  # as after a step: the next passes gather as they would
         self.last_grad_norm = float("inf")
         self.skipped_steps += 1
         self._count_step()
-        scaler = self.loss_scaler
+        notes = []
         try:
-            change = scaler.update(True, step=step)  # may raise at min_loss_scale (every rank)
+            for m in self.modes:
+                note = m.on_skipped_step(trained)  # may raise (fp16: the scale cannot go lower)
+                if note:
+                    notes.append(note)
         finally:
-            self._mirror_overflow(True)
+            for m in self.modes:
+                m.after_skipped_step()
         if self.world.rank == 0:
             what = f"[zpp] OVERFLOW! Skipping optimizer step {step}: gradients hold NaN or Inf on some rank"
-            if scaler.enabled:
-                logger.info(f"{what}; {change.describe()} (skipped so far: {self.skipped_steps})")
+            if notes:
+                logger.info(f"{what}; {'; '.join(notes)} (skipped so far: {self.skipped_steps})")
             else:
                 logger.warning(f"{what} (skipped so far: {self.skipped_steps})")
         self.monitor.write_step(self)
-        if self.train_config.zpp.nonfinite == "raise" and not scaler.dynamic:
+        if self.train_config.zpp.nonfinite == "raise" and not any(m.expects_overflows for m in self.modes):
             raise NonFiniteGradientError(
                 f"zpp: optimizer step {step} (micro-step {self.micro_steps}): gradients hold NaN or Inf on some "
                 "rank; the step was not applied on any rank (zpp.nonfinite='raise'; 'skip' skips such steps)")
@@ -375,14 +360,6 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
             print(f"[zpp] step={self.global_steps} skipped={self.skipped_steps} lr={self.get_lr()} "
                   f"grad_norm={self.last_grad_norm}", flush=True)
 
-    def _mirror_overflow(self, overflow: bool) -> None:
-        """DeepSpeed's fp16 optimizer attributes on the engine's optimizer; see [Note: skipped steps]."""
-        opt = self.optimizer
-        if opt is None:
-            return
-        opt.overflow = overflow
-        opt.cur_scale = opt.loss_scale = self.loss_scaler.cur_scale
-
     def zero_grad(self) -> None:
         """Drop accumulated gradients (both ``.grad`` and the reduced shards)."""
         for u in self.units:
@@ -391,8 +368,19 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
             u.flat.grad = None
             u.host_grads.clear()
             u.reset_micro_step()
-        for v in self.onebit_views or ():
-            v.param.grad = None
+        for m in self.modes:
+            m.zero_grad()
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the model the job trains: one per node in the hierarchical mode (its
+        data-parallel world is the node), else 1."""
+        return self.job_world.world_size // self.world.world_size
+
+    @property
+    def replica(self) -> int:
+        """Which replica this rank trains (ranks are node-major)."""
+        return self.job_world.rank // self.world.world_size
 
     @property
     def prefetch_stats(self) -> PrefetchStats:
@@ -407,21 +395,9 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
         mode: this node's replica, gathered inside the node."""
         return checkpoint.consolidated_state_dict(self)
 
-    def step_state(self) -> dict[str, Any]:
-        """What checkpoints keep of the step path besides the optimizer and the counters
-        (``skipped_steps`` is one of those): the fp16 loss scaler's state."""
-        return {"loss_scaler": self.loss_scaler.state_dict()}
-
-    def load_step_state(self, state: dict[str, Any] | None) -> None:
-        """Restore a :meth:`step_state` (None, from a checkpoint without it: nothing)."""
-        if not state:
-            return
-        self.loss_scaler.load_state_dict(state.get("loss_scaler", {}))
-        self._mirror_overflow(False)
-
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now; see :func:`zpp.zero.memory.model_state_bytes`."""
-        return model_state_bytes(self.units, self.optimizer, self.outer)
+        return model_state_bytes(self.units, self.optimizer, self.modes, self.comms.gathers.values())
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
                         client_state: dict = {},  # noqa: B006 - DeepSpeed's signature; never mutated
@@ -442,10 +418,10 @@ class ZeroEngine(DeepSpeedAccessors, DeepSpeedMethods, torch.nn.Module):
     def close(self) -> None:
         """Remove every hook the engine installed and, with sharded parameters, gather them
         back (collective: every rank calls it): the module holds its full weights again and
-        may be trained or wrapped anew. The hierarchical mode's syncs in flight are finished
-        first (their updates are not applied)."""
-        if getattr(self, "outer", None) is not None:
-            self.outer.close()
+        may be trained or wrapped anew. The modes' work in flight is finished first (the
+        hierarchical mode's syncs: their updates are not applied)."""
+        for m in getattr(self, "modes", ()):
+            m.close()
         if self.policy.shard_parameters and self.hooks.handles:
             self._prefetch.end_pass()
             for u in self.units:

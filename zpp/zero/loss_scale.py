@@ -1,8 +1,9 @@
 """fp16 loss scaling with DeepSpeed's rule (static or dynamic, with hysteresis).
 
-The engine multiplies the loss by :attr:`LossScaler.cur_scale` before backward, divides
-the gradients by it before clipping, and after every optimizer step's overflow check
-(see [Note: agreeing on a non-finite step] in :mod:`zpp.comm.nonfinite`) calls
+The engine's loss-scale mode (:mod:`zpp.zero.modes.loss_scale`) multiplies the loss by
+:attr:`LossScaler.cur_scale` before backward, the engine divides the gradients by it before
+clipping, and after every optimizer step's overflow check
+(see [Note: agreeing on a non-finite step] in :mod:`zpp.comm.nonfinite`) the mode calls
 :meth:`LossScaler.update` with the same flag on every rank, so the scale stays the same
 everywhere without any communication of its own.
 

@@ -1,25 +1,27 @@
 """Accounting of the model-state bytes a rank holds (what ZeRO's memory formulas count)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from zpp.optim._common import FusedOneBitOptimizer
-from zpp.zero.outer.sync import OuterSync
+from zpp.zero.comm_api import WeightGather
+from zpp.zero.modes.base import Mode
 from zpp.zero.unit import Unit
 
 
-def model_state_bytes(units: Sequence[Unit], optimizer: torch.optim.Optimizer,
-                      outer: OuterSync | None = None) -> dict[str, int]:
+def model_state_bytes(units: Sequence[Unit], optimizer: torch.optim.Optimizer, modes: Iterable[Mode] = (),
+                      gathers: Iterable[WeightGather] = ()) -> dict[str, int]:
     """Bytes of model states this rank holds now, each storage counted once: parameter
-    storage (full buffers without sharded parameters; shards, hpZ secondaries and gathered
-    or prefetched buffers with them), gradients (``.grad`` tensors and reduced fp32 shards),
-    fp32 masters that do not alias the parameters, and optimizer state tensors (scalars
-    such as ``step`` excluded; for a 1-bit optimizer its fused fp32 parameter and gradient
-    copies, moments and error-feedback buffers).
+    storage (full buffers without sharded parameters; shards, what the ``gathers`` keep,
+    hpZ's secondary shards, and gathered or prefetched buffers with them), gradients
+    (``.grad`` tensors and reduced fp32 shards), fp32 masters that do not alias the
+    parameters, and optimizer state tensors (scalars such as ``step`` excluded); each mode
+    adds its own (:meth:`~zpp.zero.modes.base.Mode.state_bytes`: for a 1-bit optimizer its
+    fused fp32 parameter and gradient copies, moments and error-feedback buffers under
+    ``"optimizer"``).
 
-    With the hierarchical mode (``outer``) a key ``"outer"`` adds its state
+    With the hierarchical mode a key ``"outer"`` adds its state
     (:meth:`~zpp.zero.outer.OuterSync.state_bytes`): for each rank's shard of ``Ψ/R``
     elements (``R`` ranks per node, the ZeRO degree in this mode) the fp32 synced weights
     (``4Ψ/R``), with momentum the fp32 outer momentum (``4Ψ/R``), the averaged
@@ -37,9 +39,10 @@ def model_state_bytes(units: Sequence[Unit], optimizer: torch.optim.Optimizer,
         return t.untyped_storage().nbytes()
 
     out = dict(params=0, grads=0, master=0, optimizer=0)
+    gathers = list({id(g): g for g in gathers}.values())
     for u in units:
         f = u.flat
-        out["params"] += nbytes(f.full) + nbytes(f.shard) + nbytes(f.secondary)
+        out["params"] += nbytes(f.full) + nbytes(f.shard) + sum(nbytes(t) for g in gathers for t in g.kept(f))
     for u in units:
         f = u.flat
         if f.master is not None:
@@ -49,12 +52,7 @@ def model_state_bytes(units: Sequence[Unit], optimizer: torch.optim.Optimizer,
         for v in st.values():
             if isinstance(v, torch.Tensor) and v.numel() > 1:
                 out["optimizer"] += nbytes(v)
-    if isinstance(optimizer, FusedOneBitOptimizer):
-        o = optimizer
-        owned = [o.flat.master, o.flat.grad, *o.buffers.values()]
-        if o.compressor is not None:
-            owned += [o.compressor.worker_error, o.compressor.server_error]
-        out["optimizer"] += sum(nbytes(t) for t in owned)
-    if outer is not None:
-        out["outer"] = outer.state_bytes()
+    for m in modes:
+        for k, v in m.state_bytes(nbytes).items():
+            out[k] = out.get(k, 0) + v
     return out

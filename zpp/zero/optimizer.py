@@ -24,7 +24,7 @@ gradients itself (full precision in warm-up, 1-bit compressed afterwards), so:
   stepped on a skipped step, so its error-feedback buffers and counters stay untouched;
 * checkpoints: every rank writes its optimizer ``state_dict`` (error-feedback buffers,
   phase and counters, and its own weights, which differ between ranks between 0/1 Adam's
-  syncs); see [Note: 1-bit optimizer state] in :mod:`zpp.zero.checkpoint.load`.
+  syncs); see [Note: 1-bit optimizer state] in :mod:`zpp.zero.modes.onebit`.
 
 [Note: the caller's optimizer]
 A torch optimizer passed to ``initialize`` is the engine's optimizer: the same object, its

@@ -46,16 +46,6 @@ class ShardState(enum.Enum):
     """The full buffer is valid and every parameter's ``.data`` is a view of it."""
 
 
-class SecondaryState(enum.Enum):
-    """hpZ's secondary shard (a ``1/k`` slice of the full buffer, ``k`` = ranks per node)."""
-
-    ABSENT = "absent"
-    """Not held: the next gather goes over the world."""
-    VALID = "valid"
-    """Holds the weights of the last forward gather; gathers stay inside the node until the
-    next optimizer step invalidates it."""
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Slot:
     """One parameter's place in the flat buffer."""
@@ -132,11 +122,12 @@ class FlatShard:
         shard: the owned range in ``dtype``.
         master: fp32 master weights of the owned range (None for frozen units).
         grad: fp32 gradient accumulated over the owned range since the last step, or None.
-        secondary: hpZ's secondary shard, meaningful when ``secondary_state`` is VALID.
+
+    What a gather strategy keeps of the weights between gathers (hpZ's secondary shard) is
+    the strategy's own (see :mod:`zpp.zero.gather.hpz`).
     """
 
-    __slots__ = ("layout", "rank", "dtype", "device", "state", "full", "shard", "master", "grad",
-                 "secondary", "secondary_state")
+    __slots__ = ("layout", "rank", "dtype", "device", "state", "full", "shard", "master", "grad")
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype,
                  device: torch.device | None = None) -> None:
@@ -150,8 +141,6 @@ class FlatShard:
         self.shard: torch.Tensor | None = None
         self.master: torch.nn.Parameter | None = None
         self.grad: torch.Tensor | None = None
-        self.secondary: torch.Tensor | None = None
-        self.secondary_state = SecondaryState.ABSENT
 
     def compute_shard(self) -> torch.Tensor:
         """The shard on :attr:`device`: itself, or a device copy of a host shard (offloaded
@@ -187,10 +176,6 @@ class FlatShard:
         else:
             self.grad.add_(g)
 
-    def invalidate_secondary(self) -> None:
-        self.secondary = None
-        self.secondary_state = SecondaryState.ABSENT
-
     def __repr__(self) -> str:
         return (f"FlatShard({self.layout!r}, rank={self.rank}, dtype={self.dtype}, "
-                f"state={self.state.name}, secondary={self.secondary_state.name})")
+                f"state={self.state.name})")

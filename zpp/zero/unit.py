@@ -53,7 +53,8 @@ class UnitComms:
     policy: ShardingPolicy
     """What is sharded."""
     gathers: dict[Phase, WeightGather]
-    """The weight gather of each phase (empty without sharded parameters)."""
+    """The weight gather of each phase (without sharded parameters: only ``Phase.EXACT``'s,
+    which publishes the updated shards, at stages 1-2)."""
     reduce: GradReduce
     """The gradient reduction."""
     offload: Offload = Offload()
@@ -62,6 +63,12 @@ class UnitComms:
     @property
     def degree(self) -> int:
         return self.policy.degree(self.world.world_size)
+
+    def weights_changed(self, flat: FlatShard | None = None) -> None:
+        """Tell every gather that ``flat``'s shards changed (None: every unit's), so that
+        what a gather keeps (hpZ's secondary shard) is dropped."""
+        for g in {id(g): g for g in self.gathers.values()}.values():
+            g.weights_changed(flat)
 
 
 class Started(NamedTuple):
@@ -259,7 +266,7 @@ class Unit:
         flat = lay.flatten([p.grad for p in self.params], torch.float32, f.device)
         for p in self.params:
             p.grad = None
-        reduced = self.comms.reduce(flat, lay)
+        reduced = self.comms.reduce.start(flat, lay).wait()  # see [Note: reductions return work]
         if f.master is not None and f.master.device != reduced.device:  # offloaded: to the host, overlapped
             self.host_grads.append(self.comms.offload.to_host(reduced))
         else:
@@ -298,7 +305,7 @@ class Unit:
     def publish(self) -> None:
         """Make the updated master weights the parameters: cast into the shard, all-gather
         into the full buffer (sharded optimizer state and persistent parameters: stages 1-2,
-        and persistent units at stage 3), invalidate hpZ's secondary shard."""
+        and persistent units at stage 3); the gathers drop what they keep of the old weights."""
         f, comms = self.flat, self.comms
         f.master.grad = None
         f.grad = None
@@ -306,8 +313,8 @@ class Unit:
         if not f.master_aliases_shard:
             f.shard.copy_(f.master.detach())
         if comms.policy.shard_optimizer_state and not self.shards_params and comms.world.world_size > 1:
-            comms.world.all_gather(f.full, f.shard.clone())
-        f.invalidate_secondary()
+            comms.gathers[Phase.EXACT].publish(f).wait()
+        comms.weights_changed(f)
 
     def load_flat(self, values: torch.Tensor, master: torch.Tensor | None = None) -> None:
         """Set the unit from a full flat fp32 vector of ``layout.numel`` elements (checkpoint
@@ -322,7 +329,7 @@ class Unit:
             f.full.copy_(padded)
         elif not f.master_aliases_shard:
             f.shard.copy_(own)
-        f.invalidate_secondary()
+        self.comms.weights_changed(f)
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, params={len(self.params)}, trainable={self.trainable}, {self.flat!r})"

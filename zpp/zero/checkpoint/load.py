@@ -15,12 +15,13 @@ memory without touching the engine; the ranks then agree (see [Note: agreement] 
 :mod:`zpp.zero.checkpoint.agree`), and only if every rank succeeded does any rank change
 its engine. A failed load leaves every rank's engine exactly as it was.
 
-[Note: 1-bit optimizer state]
-With a 1-bit optimizer (see [Note: 1-bit optimizers] in :mod:`zpp.zero.optimizer`) each
-rank saves ``onebit_optim_rankR.pt``, its optimizer ``state_dict`` (error-feedback buffers,
-phase and counters, and its own weights). At the same world size every rank restores its
-own file and weights; at another world size every rank loads rank 0's (the replicated
-state; error feedback restarts, and the optimizer warns).
+[Note: loading modes]
+Each mode's state is read by its reshard rule (see [Note: mode state in checkpoints] in
+:mod:`zpp.zero.modes.base`): the per-element state with the units' optimizer state, the
+per-rank state from this rank's file at the same job world size (else rank 0's), checked
+by the mode while nothing has changed yet, the replicated state from ``meta.pt``. Without
+the optimizer states (``load_optimizer_states=False``, ``load_module_only``) every mode gets
+None: it starts afresh from the loaded weights (or keeps what it has: the 1-bit optimizer).
 
 [Note: loading replicas]
 A checkpoint of the hierarchical mode holds one replica per node (see [Note: replicas] in
@@ -29,8 +30,6 @@ ranks per node, stage or bucket size (the replica reshards as above), and its ou
 the anchor and momentum from the units' optimizer state, the rest from its rank's
 ``outer_rankR.pt`` (see [Note: outer state in checkpoints] in zpp/zero/outer/sync.py). With
 another number of nodes, and for an engine without ``zpp.outer``, every rank loads replica 0.
-Without the optimizer states (``load_optimizer_states=False``, ``load_module_only``) the
-outer sync starts afresh from the loaded weights.
 """
 from __future__ import annotations
 
@@ -47,16 +46,16 @@ from zpp.zero.checkpoint import publish as pub
 from zpp.zero.checkpoint.agree import exchange, failure, raise_agreed
 from zpp.zero.checkpoint.errors import CheckpointError
 from zpp.zero.checkpoint.files import check_present, describe, load_torch, read_verified
+from zpp.zero.modes import MODES
 from zpp.zero.checkpoint.save import (
     CLIENT_STATE,
     COUNTERS,
     FORMAT,
     META_JSON,
     META_PT,
-    OUTER_PREFIX,
     manifest_crc,
-    onebit_name,
-    outer_name,
+    mode_file_name,
+    mode_key,
     shard_name,
 )
 
@@ -70,8 +69,7 @@ class _Read:
     units: list[tuple[Any, torch.Tensor, dict | None]]  # (unit, numel values, optimizer state or None: fresh)
     extra: dict[str, Any]  # meta.pt
     client_state: dict
-    onebit: dict | None
-    outer: tuple[dict | None, bool] | None  # (this rank's outer sync state, whether it is its own)
+    modes: list[tuple[Any, Any, bool]]  # (mode, its per-rank or replicated state or None, whether it is its own)
     load_optimizer: bool
     load_scheduler: bool
     load_counters: bool
@@ -167,39 +165,39 @@ def _read(engine, root: Path, tag: Any, *, strict: bool, optimizer: bool, schedu
     extra = load_torch(path / META_PT, record(META_PT), tag)
     _check_save_id(extra, meta, path / META_PT, tag)
     _check_names(engine, by_name, extra, meta, path, strict)
-    onebit = None
-    if optimizer and engine.onebit_views is not None:
-        onebit = _read_onebit(engine, path, meta, tag, record)
+    modes = [(m, *_read_mode(engine, m, path, meta, extra, tag, record)) if optimizer else (m, None, False)
+             for m in engine.modes]
     if optimizer and len(extra["param_groups"]) != len(engine.optimizer.param_groups):
         raise ValueError(f"load_checkpoint: the checkpoint {path} has {len(extra['param_groups'])} optimizer "
                          f"parameter groups, the engine {len(engine.optimizer.param_groups)}; pass "
                          "load_optimizer_states=False to start the optimizer afresh")
-    outer = None
-    if optimizer and engine.outer is not None:
-        outer = _read_outer(engine, path, meta, tag, record)
     client = load_torch(path / CLIENT_STATE, record(CLIENT_STATE), tag) if files is not None else {}
-    units = [(u, *_unit_values(u, by_name, optimizer and onebit is None)) for u in engine.units]
-    return _Read(path, meta, units, extra, client, onebit, outer, optimizer, scheduler, counters)
+    unit_optimizer = optimizer and not any(m.owns_optimizer_state for m in engine.modes)
+    units = [(u, *_unit_values(u, by_name, unit_optimizer)) for u in engine.units]
+    return _Read(path, meta, units, extra, client, modes, optimizer, scheduler, counters)
 
 
 def _replica(engine, meta: dict) -> int:
     """Which replica this rank loads (see [Note: loading replicas])."""
-    outer = engine.outer
-    if outer is not None and meta.get("replicas", 1) == outer.replicas:
-        return outer.node
-    return 0
+    return engine.replica if meta.get("replicas", 1) == engine.replicas else 0
 
 
-def _read_outer(engine, path: Path, meta: dict, tag: str, record) -> tuple[dict | None, bool]:
-    """This rank's outer sync state when the checkpoint is of the same job world, else rank
-    0's (its position only is used), else None (a checkpoint without the mode)."""
+def _read_mode(engine, mode, path: Path, meta: dict, extra: dict, tag: str, record) -> tuple[Any, bool]:
+    """A mode's state and whether it is this rank's own (see [Note: loading modes]): the
+    replicated one from ``meta.pt``, or the per-rank one from this rank's file when the
+    checkpoint is of the same job world, else from rank 0's (None: no such file), as the
+    mode's :meth:`~zpp.zero.modes.base.Mode.check_state` accepts it."""
     own = meta["world_size"] == engine.job_world.world_size
-    f = path / outer_name(engine.job_world.rank if own else 0)
-    if not f.exists():
-        return None, own
-    state = load_torch(f, record(f.name), tag, mapped=True)
-    _check_save_id(state, meta, f, tag)
-    return state["outer"], own
+    if mode.per_rank_file is None:
+        steps = extra.get("step_state")
+        return (steps.get(mode.name, {}) if steps else None), own
+    f = path / mode_file_name(mode, engine.job_world.rank if own else 0)
+    state = None
+    if f.exists():
+        obj = load_torch(f, record(f.name), tag, mapped=True)
+        _check_save_id(obj, meta, f, tag)
+        state = obj[mode_key(mode)]
+    return mode.check_state(state, own=own, path=str(f), where=describe(f, tag)), own
 
 
 def read_parameters(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
@@ -314,27 +312,6 @@ def _check_names(engine, by_name: dict, extra: dict, meta: dict, path: Path, str
             f"unexpected {unexpected[:8]} (of {len(unexpected)}); pass load_module_strict=False to load the rest")
 
 
-def _read_onebit(engine, path: Path, meta: dict, tag: str, record) -> dict:
-    world = engine.world
-    f = path / onebit_name(world.rank if meta["world_size"] == world.world_size else 0)
-    opt = engine.optimizer
-    who = type(opt).__name__
-    if not f.exists():
-        raise FileNotFoundError(
-            f"load_checkpoint: {f} missing: the checkpoint holds no {who} state (saved with another optimizer?); "
-            "pass load_optimizer_states=False to load the weights and start the optimizer afresh")
-    state = load_torch(f, record(f.name), tag, mapped=True)
-    _check_save_id(state, meta, f, tag)
-    sd = state["optimizer"]
-    groups = [len(g["params"]) for g in sd.get("param_groups", ())]
-    if sd.get("algorithm") != who or sd.get("numel") != opt.flat.numel or groups != [
-            len(r) for r in opt.flat.group_params]:
-        raise ValueError(f"load_checkpoint: {describe(f, tag)} holds {sd.get('algorithm')} state over "
-                         f"{sd.get('numel')} elements in groups of {groups}; the engine's {who} has "
-                         f"{opt.flat.numel} in {[len(r) for r in opt.flat.group_params]}")
-    return sd
-
-
 def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, dict | None]:
     """The unit's full flat values (``layout.numel``) and its optimizer state (None: fresh);
     parameters the checkpoint lacks keep the engine's current values."""
@@ -372,27 +349,25 @@ def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, 
 # ---------------------------------------------------------------------- applying (every rank read everything)
 def _apply(engine, read: _Read) -> None:
     opt = engine.optimizer
-    outer = engine.outer
+    unit_optimizer = read.load_optimizer and not any(m.owns_optimizer_state for m in engine.modes)
     for u, values, state in read.units:
         u.load_flat(values)
-        outer_state = None
-        if state:
-            outer_state = {k[len(OUTER_PREFIX):]: state.pop(k) for k in list(state) if k.startswith(OUTER_PREFIX)}
-        if u.trainable and read.load_optimizer and read.onebit is None:
+        state = dict(state) if state else {}
+        by_mode = {name: {} for name in MODES}  # per-element mode state: see [Note: loading modes]
+        for k in list(state):
+            name, _, key = k.partition(".")
+            if key and name in by_mode:  # (a mode this engine lacks: dropped)
+                by_mode[name][key] = state.pop(k)
+        for m in engine.modes:
+            m.load_unit_state(u, (by_mode.get(m.name) or None) if read.load_optimizer else None)
+        if u.trainable and unit_optimizer:
             if state:
                 opt.state[u.flat.master] = state
             else:
                 opt.state.pop(u.flat.master, None)
-        if outer is not None:  # see [Note: loading replicas]
-            outer.load_unit_state(u, outer_state if read.load_optimizer else None)
-    if outer is not None:
-        state, own = read.outer if read.outer is not None else (None, False)
-        outer.load_state_dict(state, own=own)
     if read.load_optimizer:
         for g, saved in zip(opt.param_groups, read.extra["param_groups"], strict=True):
             g.update(saved)
-    if read.load_optimizer:  # the fp16 loss scale (DeepSpeed keeps it in its optimizer's state)
-        engine.load_step_state(read.extra.get("step_state"))
     if read.load_scheduler and engine.lr_scheduler is not None and read.extra["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(read.extra["scheduler"])
     buffers = dict(engine.module.named_buffers())
@@ -404,9 +379,5 @@ def _apply(engine, read: _Read) -> None:
             if c in read.meta and hasattr(engine, c):
                 setattr(engine, c, int(read.meta[c]))
     engine.zero_grad()
-    if read.onebit is not None:  # see [Note: 1-bit optimizer state]
-        opt.load_state_dict(read.onebit)
-        opt.flat.write_params()  # this rank's own weights (0/1 Adam's local steps)
-        for u in engine.units:
-            if u.trainable:
-                u.publish()
+    for m, state, own in read.modes:  # per-rank and replicated mode state
+        m.load_state_dict(state, own=own)

@@ -37,7 +37,8 @@ OLD = ".zpp-old-"
 LATEST = "latest"
 SAVE_ID_CHARS = 16  # hex digits of a save id
 _TMP_IN_ROOT = re.compile(r"^\.latest\.tmp\d+$")
-_TMP_IN_TAG = re.compile(r"^\.(shard_rank\d{5}\.pt|onebit_optim_rank\d{5}\.pt|meta\.pt|meta\.json)\.tmp\d+$")
+#: a rank's file (the shards' and each mode's ``<prefix>_rankNNNNN.pt``) or rank 0's, being written
+_TMP_IN_TAG = re.compile(r"^\.([a-z0-9_]+_rank\d{5}\.pt|meta\.pt|meta\.json)\.tmp\d+$")
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 

@@ -5,14 +5,17 @@ Layout of ``save_dir/tag/`` (format 2)::
     shard_rank00000.pt ...   per rank (rank 0 only when nothing is sharded): for each unit, its
                              owned range of the flat fp32 master weights (frozen units: the
                              parameters) and of every per-element optimizer state tensor
-                             (the hierarchical mode's anchor and outer momentum among them),
+                             (the modes' per-element state among them, as
+                             ``<mode>.<key>``: the outer anchor and momentum),
                              with the unit's names and sizes; see [Note: resharding]
-    onebit_optim_rank00000.pt ...   with a 1-bit optimizer: each rank's optimizer state
-    outer_rank00000.pt ...   in the hierarchical mode: each rank's outer sync state (schedule
-                             position, pending syncs, error feedback); see [Note: outer
-                             state in checkpoints] in zpp/zero/outer/sync.py
-    meta.pt                  buffers, optimizer hyper-parameters, scheduler state, the fp16
-                             loss scaler's state (rank 0)
+    <file>_rank00000.pt ...  each mode's per-rank state, if it has one (see [Note: mode
+                             state in checkpoints] in zpp/zero/modes/base.py):
+                             ``onebit_optim_rankR.pt`` with a 1-bit optimizer (its state),
+                             ``outer_rankR.pt`` in the hierarchical mode (schedule position,
+                             pending syncs, error feedback)
+    meta.pt                  buffers, optimizer hyper-parameters, scheduler state, the
+                             modes' replicated state (``step_state``: the fp16 loss
+                             scaler's) (rank 0)
     client_state.pt          the caller's ``client_state`` dict (rank 0)
     meta.json                the manifest: world size, stage, counters, units, and the size
                              and CRC32 of every other file (see [Note: checksums])
@@ -76,16 +79,19 @@ def shard_name(rank: int) -> str:
     return f"shard_rank{rank:05d}.pt"
 
 
-def onebit_name(rank: int) -> str:
-    return f"onebit_optim_rank{rank:05d}.pt"
+def mode_file_name(mode, rank: int) -> str:
+    """The per-rank file of a mode (see [Note: mode state in checkpoints])."""
+    return f"{mode.per_rank_file}_rank{rank:05d}.pt"
 
 
-def outer_name(rank: int) -> str:
-    return f"outer_rank{rank:05d}.pt"
+def mode_key(mode) -> str:
+    """The key of a mode's state in its per-rank file."""
+    return mode.per_rank_key or mode.name
 
 
-#: optimizer-state keys of a unit entry that belong to the outer sync (zpp.zero.outer)
-OUTER_PREFIX = "outer."
+def step_state(engine) -> dict[str, Any]:
+    """The modes' replicated state, by mode name (``meta.pt``'s ``step_state``)."""
+    return {m.name: m.state_dict() for m in engine.modes if m.per_rank_file is None}
 
 
 def crash_point(phase: str) -> None:
@@ -233,12 +239,10 @@ def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_stat
             raise CheckpointError(f"save_checkpoint: rank {rank} could not write {name} of tag {tag!r} in "
                                   f"{staging.parent}: {type(e).__name__}: {e}") from e
 
-    if engine.onebit_views is not None:  # see [Note: 1-bit optimizer state] in load.py
-        put(onebit_name(rank), {"rank": rank, "world_size": world.world_size, "save_id": save_id,
-                                "optimizer": engine.optimizer.state_dict()})
-    if engine.outer is not None:
-        put(outer_name(rank), {"rank": rank, "world_size": world.world_size, "save_id": save_id,
-                               "outer": engine.outer.state_dict()})
+    for m in engine.modes:  # per-rank state; see [Note: mode state in checkpoints]
+        if m.per_rank_file is not None:
+            put(mode_file_name(m, rank), {"rank": rank, "world_size": world.world_size, "save_id": save_id,
+                                          mode_key(m): m.state_dict()})
     if engine.comms.degree > 1 or engine.world.rank == 0:  # unsharded: a replica's ranks hold the same values
         put(shard_name(rank), {"format": FORMAT, "save_id": save_id, "rank": rank, "world_size": world.world_size,
                                "units": _unit_entries(engine, exclude_frozen)})
@@ -250,7 +254,7 @@ def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_stat
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             "scheduler": sched.state_dict() if sched is not None else None,
             "buffers": {n: b.detach().clone() for n, b in engine.module.named_buffers()},
-            "step_state": engine.step_state(),
+            "step_state": step_state(engine),
         })
         put(CLIENT_STATE, client_state)
     return out
@@ -270,8 +274,8 @@ def _unit_entries(engine, exclude_frozen: bool) -> list[dict[str, Any]]:
             entry["values"] = f.master.detach().clone()
             entry["optim"] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in opt.state.get(f.master, {}).items()}
-            if engine.outer is not None:  # per-element outer state reshards like the optimizer's
-                entry["optim"].update({OUTER_PREFIX + k: v for k, v in engine.outer.unit_state(u).items()})
+            for m in engine.modes:  # per-element mode state reshards like the optimizer's
+                entry["optim"].update({f"{m.name}.{k}": v for k, v in m.unit_state(u).items()})
         else:
             entry["values"] = f.shard.detach().float().clone()
         units.append(entry)
@@ -296,7 +300,7 @@ def _write_manifest(engine, staging: Path, tag: str, save_id: str, files: dict[s
     units = [u for u in engine.units if u.trainable or not exclude_frozen]
     manifest = {
         "format": FORMAT, "tag": tag, "save_id": save_id, "world_size": engine.job_world.world_size,
-        "replicas": engine.outer.replicas if engine.outer is not None else 1,
+        "replicas": engine.replicas,
         "replica_ranks": engine.world.world_size,
         "stage": engine.train_config.zero.stage, "degree": engine.comms.degree, "precision": engine.train_config.precision,
         **{c: int(getattr(engine, c)) for c in COUNTERS if getattr(engine, c, None) is not None},

@@ -9,7 +9,9 @@ name        what crosses the wire                    file
             the node until the optimizer step
 ==========  =======================================  =============================
 
-The forward gather is ``zpp.weight_gather`` when set, else ``qwz`` with
+Without sharded parameters the only gather is :attr:`Phase.EXACT`'s ``plain``, which
+publishes the updated shards into the persistent parameters after each step (stages 1-2;
+none at stage 0, where nothing is sharded). The forward gather is ``zpp.weight_gather`` when set, else ``qwz`` with
 ``zero_quantized_weights`` and ``plain`` without; the backward gather is ``plain`` (ZeRO++
 keeps the backward in full precision); both are wrapped by hpZ when
 ``zero_hpz_partition_size > 1``. :attr:`Phase.EXACT` is always ``plain`` from the primary
@@ -20,12 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zpp.zero.comm_api import Comms, Phase, WeightGather
-from zpp.zero.gather.hpz import SecondaryGather
+from zpp.zero.gather.hpz import Secondaries, SecondaryGather
 from zpp.zero.gather.plain import PlainGather
 from zpp.zero.gather.qwz import QuantizedGather
 from zpp.zero.policy import ShardingPolicy
 
-__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers"]
+__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers", "gather_needs"]
 
 #: name -> factory(comms)
 GATHERS: dict[str, Callable[[Comms], WeightGather]] = {
@@ -47,14 +49,24 @@ def forward_gather_name(comms: Comms) -> str:
     return name
 
 
-def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGather]:
-    """The gather of each phase for an engine (stage 3); empty without sharded parameters."""
+def gather_needs(comms: Comms, policy: ShardingPolicy) -> frozenset[str]:
+    """The resources the gathers :func:`build_gathers` would build need (nothing built)."""
     if not policy.shard_parameters:
-        return {}
+        return frozenset()
+    needs = PlainGather.needs | GATHERS[forward_gather_name(comms)].needs
+    return needs | SecondaryGather.needs if policy.secondary_degree > 1 else needs
+
+
+def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGather]:
+    """The gather of each phase for an engine (stage 3); without sharded parameters only
+    the one that publishes updated shards (stages 1-2), or none (stage 0)."""
+    if not policy.shard_parameters:
+        return {Phase.EXACT: PlainGather(comms)} if policy.gather_after_step else {}
     plain = PlainGather(comms)
     name = forward_gather_name(comms)
     forward = plain if name == "plain" else GATHERS[name](comms)
     backward = plain
-    if policy.secondary_degree > 1:
-        forward, backward = SecondaryGather(comms, forward), SecondaryGather(comms, backward)
+    if policy.secondary_degree > 1:  # one store: see [Note: the secondary shard belongs to hpZ]
+        store = Secondaries(comms.topology)
+        forward, backward = SecondaryGather(comms, forward, store), SecondaryGather(comms, backward, store)
     return {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.EXACT: plain}

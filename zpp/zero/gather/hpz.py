@@ -2,51 +2,113 @@
 
 Wraps the gather over the world (plain or qwZ). After a world gather, each rank keeps the
 ``1/k`` slice of the full buffer that its local rank owns among the ``k`` ranks of its node
-(the *secondary shard*, ``FlatShard.secondary``); until the optimizer step invalidates it
-(:meth:`zpp.zero.unit.Unit.publish`), gathers are all-gathers of the secondary shards over
-the node (``topology.intra``) and cross no node link. The secondary holds exactly the
-weights the world gather produced (quantized ones under qwZ), so forward and backward of
-a micro-step see the same weights. Extra memory: ``numel / k`` elements per unit.
+(the *secondary shard*); until the weights change (the optimizer step, a skipped step, a
+checkpoint load: :meth:`SecondaryGather.weights_changed`), gathers are all-gathers of the
+secondary shards over the node (``topology.intra``) and cross no node link. The secondary
+holds exactly the weights the world gather produced (quantized ones under qwZ), so forward
+and backward of a micro-step see the same weights. Extra memory: ``numel / k`` elements per
+unit.
+
+[Note: the secondary shard belongs to hpZ]
+The secondary shards are this strategy's state, held in one :class:`Secondaries` per
+engine, which the forward and the backward gathers share (the forward gather leaves the
+slice, the backward one reads it). Nothing else reads or invalidates them: the engine and
+the units say only that the weights changed (``UnitComms.weights_changed``), which every
+gather hears.
 """
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 import torch
 
 from zpp.comm.transport import Work
 from zpp.zero.comm_api import Comms, WeightGather
-from zpp.zero.shard import SecondaryState
 
 if TYPE_CHECKING:
+    from zpp.comm.topology import Topology
     from zpp.zero.shard import FlatShard
+
+
+class SecondaryState(enum.Enum):
+    """hpZ's secondary shard of a unit (a ``1/k`` slice of the full buffer, ``k`` = ranks per node)."""
+
+    ABSENT = "absent"
+    """Not held: the next gather goes over the world."""
+    VALID = "valid"
+    """Holds the weights of the last world gather; gathers stay inside the node until the
+    weights change."""
+
+
+class Secondaries:
+    """The secondary shards of an engine's units (see [Note: the secondary shard belongs to hpZ])."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._held: dict[int, tuple[FlatShard, torch.Tensor]] = {}  # id(flat) -> (flat, its slice)
+
+    def get(self, flat: FlatShard) -> torch.Tensor | None:
+        held = self._held.get(id(flat))
+        return None if held is None else held[1]
+
+    def state(self, flat: FlatShard) -> SecondaryState:
+        return SecondaryState.VALID if id(flat) in self._held else SecondaryState.ABSENT
+
+    def keep(self, flat: FlatShard, full: torch.Tensor) -> None:
+        """Keep this rank's slice of a world-gathered ``full``."""
+        k, lr = self.topology.ranks_per_node, self.topology.local_rank
+        n = flat.layout.padded_numel // k
+        self._held[id(flat)] = (flat, full[lr * n:(lr + 1) * n].clone())
+
+    def drop(self, flat: FlatShard | None = None) -> None:
+        """Drop ``flat``'s secondary shard (None: every unit's)."""
+        if flat is None:
+            self._held.clear()
+        else:
+            self._held.pop(id(flat), None)
 
 
 class SecondaryGather(WeightGather):
     """The intra-node gather of the secondary shards when they are valid, else ``inner``
-    (which then leaves this rank's secondary slice behind)."""
+    (which then leaves this rank's secondary slice behind). ``secondaries``: the store
+    shared with the engine's other hpZ gather (Default: a new one)."""
 
     name = "hpz"
+    needs = frozenset({"topology"})
 
-    def __init__(self, comms: Comms, inner: WeightGather) -> None:
+    def __init__(self, comms: Comms, inner: WeightGather, secondaries: Secondaries | None = None) -> None:
         if comms.topology is None:
             raise ValueError("SecondaryGather: hpZ needs the topology of the world")
+        h, world_size, k = comms.config.zero.hpz_partition_size, comms.world.world_size, comms.topology.ranks_per_node
+        if h > 1 and (world_size % h or h != k):
+            raise ValueError(
+                f"zero_hpz_partition_size={h} must divide world_size={world_size} and equal the ranks per node "
+                f"({k}); the ranks per node come from ZPP_RANKS_PER_NODE, else the launcher's LOCAL_WORLD_SIZE, "
+                "else the MPI shared-memory split")
         self.topology = comms.topology
         self.inner = inner
+        self.secondaries = secondaries if secondaries is not None else Secondaries(comms.topology)
 
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
-        if flat.secondary_state is SecondaryState.VALID:
-            return self.topology.intra.all_gather_async(full, flat.secondary)
+        secondary = self.secondaries.get(flat)
+        if secondary is not None:
+            return self.topology.intra.all_gather_async(full, secondary)
         return self.inner.start(flat, full)
 
     def finish(self, flat: FlatShard, full: torch.Tensor) -> None:
-        if flat.secondary_state is SecondaryState.VALID:
+        if self.secondaries.get(flat) is not None:
             return  # gathered from it
         self.inner.finish(flat, full)
-        k, lr = self.topology.ranks_per_node, self.topology.local_rank
-        n = flat.layout.padded_numel // k
-        flat.secondary = full[lr * n:(lr + 1) * n].clone()
-        flat.secondary_state = SecondaryState.VALID
+        self.secondaries.keep(flat, full)
+
+    def kept(self, flat: FlatShard) -> list[torch.Tensor]:
+        secondary = self.secondaries.get(flat)
+        return [] if secondary is None else [secondary]
+
+    def weights_changed(self, flat: FlatShard | None = None) -> None:
+        self.secondaries.drop(flat)
+        self.inner.weights_changed(flat)
 
     def __repr__(self) -> str:
         return f"SecondaryGather({self.inner!r}, k={self.topology.ranks_per_node})"

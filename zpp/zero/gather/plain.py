@@ -22,3 +22,8 @@ class PlainGather(WeightGather):
 
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
         return self.world.all_gather_async(full, flat.compute_shard())
+
+    def publish(self, flat: FlatShard) -> Work:
+        """``world.all_gather_async(flat.full, copy of flat.shard)``: the shard is a view of
+        the buffer it is gathered into (the transport's work holds the copy until done)."""
+        return self.world.all_gather_async(flat.full, flat.shard.clone())

@@ -10,9 +10,9 @@
                                    [Note: outer state in checkpoints])
 =================================  ===========================================================
 
-The engine calls :func:`node_world` once (its data-parallel world becomes the node),
-:func:`build_outer` once, and :meth:`OuterSync.after_inner_step` after each applied
-optimizer step.
+The engine reaches it through its mode (:mod:`zpp.zero.modes.outer`), which calls
+:func:`node_world` once (the engine's data-parallel world becomes the node),
+:func:`build_outer` once, and :meth:`OuterSync.after_inner_step` after each inner step.
 """
 from __future__ import annotations
 

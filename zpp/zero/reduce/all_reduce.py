@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zpp.zero.comm_api import Comms, GradReduce
+from zpp.zero.comm_api import Comms, GradReduce, Reduction
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatLayout
@@ -19,6 +19,6 @@ class AllReduceMean(GradReduce):
     def __init__(self, comms: Comms) -> None:
         self.world = comms.world
 
-    def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    def start(self, flat: torch.Tensor, layout: FlatLayout) -> Reduction:
         self.world.all_reduce(flat, "mean")
-        return flat
+        return Reduction(flat)

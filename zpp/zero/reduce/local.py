@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zpp.zero.comm_api import Comms, GradReduce
+from zpp.zero.comm_api import Comms, GradReduce, Reduction
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatLayout
@@ -20,9 +20,10 @@ class LocalGrad(GradReduce):
     """Returns this rank's own gradient: nothing is communicated."""
 
     name = "local"
+    averages = False
 
     def __init__(self, comms: Comms) -> None:
         del comms
 
-    def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
-        return flat
+    def start(self, flat: torch.Tensor, layout: FlatLayout) -> Reduction:
+        return Reduction(flat)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zpp.comm.collectives import quantized_reduce_scatter
-from zpp.zero.comm_api import Comms, GradReduce
+from zpp.zero.comm_api import Comms, GradReduce, Reduction
 from zpp.zero.config import DEFAULT_GRADIENT_BITS
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ class QuantizedReduceScatter(GradReduce):
     """The two-hop quantized reduce-scatter over ``comms.topology``."""
 
     name = "qgz"
+    needs = frozenset({"topology"})
 
     def __init__(self, comms: Comms) -> None:
         if comms.topology is None:
@@ -37,15 +38,15 @@ class QuantizedReduceScatter(GradReduce):
         #: reduction bytes (the fp32 input's) -> code width, None: plain; from the tune plan
         self.by_nbytes: dict[int, int | None] = {}
 
-    def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    def start(self, flat: torch.Tensor, layout: FlatLayout) -> Reduction:
         out = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
         bits = self.by_nbytes.get(flat.numel() * flat.element_size(), self.bits)
         if bits is None:
             self.topology.world.reduce_scatter(out, flat, "mean")
-            return out
+            return Reduction(out)
         gs = min(self.group_size, layout.shard_numel)
         quantized_reduce_scatter(out, flat, topology=self.topology, bits=bits, group_size=gs)
-        return out
+        return Reduction(out)
 
     def __repr__(self) -> str:
         plan = f", by_nbytes={self.by_nbytes}" if self.by_nbytes else ""

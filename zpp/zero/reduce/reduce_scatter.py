@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zpp.zero.comm_api import Comms, GradReduce
+from zpp.zero.comm_api import Comms, GradReduce, Reduction
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatLayout
@@ -20,7 +20,7 @@ class ReduceScatterMean(GradReduce):
     def __init__(self, comms: Comms) -> None:
         self.world = comms.world
 
-    def __call__(self, flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    def start(self, flat: torch.Tensor, layout: FlatLayout) -> Reduction:
         out = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
         self.world.reduce_scatter(out, flat, "mean")
-        return out
+        return Reduction(out)

@@ -1,0 +1,68 @@
+"""Training modes as plug-ins: one file each, built by the engine from the registry.
+
+============  ==============================================  ========================================
+name          what it adds                                    file
+============  ==============================================  ========================================
+``offload``   host copies of the reduced gradients folded     :mod:`~zpp.zero.modes.offload`
+``onebit``    1-bit optimizer views and per-rank state        :mod:`~zpp.zero.modes.onebit`
+``outer``     the node as the ZeRO world, the outer sync      :mod:`~zpp.zero.modes.outer`
+``loss_scaler``  fp16 loss scaling (scale 1 without fp16)     :mod:`~zpp.zero.modes.loss_scale`
+============  ==============================================  ========================================
+
+The protocol is :class:`~zpp.zero.modes.base.Mode` ([Note: modes], [Note: mode state in
+checkpoints]). Adding a mode: a file here and a line in ``MODES`` (the order of the lines is
+the order of the hooks).
+"""
+from __future__ import annotations
+
+from zpp.comm.transport import Transport
+from zpp.zero.config import TrainConfig
+from zpp.zero.modes.base import Mode
+from zpp.zero.modes.loss_scale import LossScaleMode
+from zpp.zero.modes.offload import OffloadMode
+from zpp.zero.modes.onebit import OneBitMode
+from zpp.zero.modes.outer import OuterMode
+
+__all__ = ["MODES", "LossScaleMode", "Mode", "ModeAttributes", "OffloadMode", "OneBitMode", "OuterMode",
+           "build_modes", "data_parallel_world"]
+
+#: name -> mode class, in hook order
+MODES: dict[str, type[Mode]] = {
+    "offload": OffloadMode,
+    "onebit": OneBitMode,
+    "outer": OuterMode,
+    "loss_scaler": LossScaleMode,
+}
+
+
+def data_parallel_world(world: Transport, config: TrainConfig) -> Transport:
+    """The world ZeRO shards over: ``world`` as each registered mode narrows it."""
+    for cls in MODES.values():
+        world = cls.data_parallel_world(world, config)
+    return world
+
+
+def build_modes(engine) -> tuple[Mode, ...]:
+    """The modes ``engine``'s config asks for, in registry order."""
+    return tuple(m for m in (cls.build(engine) for cls in MODES.values()) if m is not None)
+
+
+class ModeAttributes:
+    """The engine attributes that name a mode's object (mixed into the engine):
+    ``engine.outer`` (:class:`~zpp.zero.outer.OuterSync`, else None) and
+    ``engine.loss_scaler`` (:class:`~zpp.zero.loss_scale.LossScaler`)."""
+
+    def mode(self, name: str) -> Mode | None:
+        """The engine's mode of that registry name, or None."""
+        if name not in MODES:
+            raise ValueError(f"engine.mode(name={name!r}): not a mode; choices: {sorted(MODES)}")
+        return next((m for m in getattr(self, "modes", ()) if m.name == name), None)
+
+    @property
+    def outer(self):
+        m = self.mode("outer")
+        return None if m is None else m.sync
+
+    @property
+    def loss_scaler(self):
+        return self.mode("loss_scaler").scaler
