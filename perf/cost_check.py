@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 import clusterlib  # noqa: E402
+import runinfo  # noqa: E402
 import trainlib  # noqa: E402
 from zpp import cluster  # noqa: E402
 from zpp.tune import cost, job  # noqa: E402
@@ -269,7 +270,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.recompute:
         records = [json.loads(Path(f).read_text()) for f in args.recompute.split(",")]
-        record = {**records[0], "merged_from": [r.get("command") for r in records],
+        record = {**records[0], **runinfo.provenance(),
+                  "merged_from": [{k: r.get(k) for k in ("date", "command", "git_revision")} for r in records],
                   "raw": [x for r in records for x in r["raw"]]}
         record["runs"] = derive(record["raw"], record["profile"])
         record["summary"] = summary(record["runs"])
