@@ -87,7 +87,8 @@ def main(argv=None) -> int:
                 p = project(model, n, inter, args)
                 record["runs"].append(p)
                 by = {r["mode"]: r for r in p["rows"]}
-                print(f"{n:>6}" + "".join(f"{by[m]['step_s']:>13.3g} ({by[m]['state_rest'] / 1e9:>5.3g})" for m in SHOWN))
+                print(f"{n:>6}" + "".join(f"{by[m]['step_s']:>13.3g} ({by[m]['state_rest'] / 1e9:>5.3g})"
+                                          for m in SHOWN))
     record["paper_check"] = paper_check(args)
     pc = record["paper_check"]
     print(f"\nZeRO++ check: cross-node bytes ZeRO-3 / ZeRO++ (7B, 384 ranks): {pc['volume_ratio_grad16']:.2f}x with "

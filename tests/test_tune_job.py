@@ -93,7 +93,8 @@ def test_tune_job_end_to_end(tmp_path):
     assert rows["zero3-zeropp"]["pred_inter_bytes"] < rows["zero3"]["pred_inter_bytes"] / 4
     # the tuned config is the job's, with the winner's sections, and the job runs on it unchanged
     want = cost.MODES[rep["winner"]].config(2)["zero_optimization"]
-    assert tuned["zero_optimization"] == {**want, "stage3_param_persistence_threshold": 0} and tuned["optimizer"]["type"] == "AdamW" and "autotuning" not in tuned
+    assert tuned["zero_optimization"] == {**want, "stage3_param_persistence_threshold": 0}
+    assert tuned["optimizer"]["type"] == "AdamW" and "autotuning" not in tuned
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
                           f"--master-port={job._free_port()}", str(script), "--deepspeed_config",
                           str(tmp_path / job.DEFAULT_OUT), "--steps", "3"], cwd=tmp_path,

@@ -20,8 +20,8 @@ _LAZY = {
     "DeepSpeedEngine": "zpp.zero:ZeroEngine",
     "add_config_arguments": "zpp.arguments:add_config_arguments",
     "get_accelerator": "zpp.accelerator:get_accelerator",
-    "logger": "zpp.utils.logging:logger",
-    "log_dist": "zpp.utils.logging:log_dist",
+    "logger": "zpp.log:logger",
+    "log_dist": "zpp.log:log_dist",
     "DeepSpeedConfig": "zpp.runtime.config:DeepSpeedConfig",
     "PipelineModule": "zpp.pipe:PipelineModule",  # imports; building one is refused (zpp.unsupported)
     **{m: f"zpp.{m}" for m in ("accelerator", "checkpoint", "checkpointing", "comm", "moe", "ops", "optim", "pipe",

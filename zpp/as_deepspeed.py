@@ -139,7 +139,7 @@ def become_deepspeed(name: str) -> None:
         sys.meta_path.insert(0, _AliasFinder())
     others = shadowed()
     if others:
-        from zpp.utils.logging import process_rank
+        from zpp.log import process_rank
 
         if process_rank() in (0, -1):
             shown = "; ".join(f"DeepSpeed {v} in {w}" for v, w in others)

@@ -342,7 +342,7 @@ class FusedOneBitOptimizer(torch.optim.Optimizer):
                 f"{who}: step {step}: gradients hold NaN or Inf on some rank; the step was not applied on any "
                 "rank (nonfinite='raise'; 'skip' skips such steps)")
         if self.transport.rank == 0:
-            from zpp.utils.logging import logger
+            from zpp.log import logger
 
             logger.warning(f"[zpp] {who}: skipping step {step}: gradients hold NaN or Inf on some rank "
                            f"(skipped so far: {self.skipped_steps})")

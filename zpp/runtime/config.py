@@ -123,7 +123,7 @@ class DeepSpeedConfig:
 
     def print(self, name: str) -> None:
         """Log the config's attributes, as DeepSpeed's ``print``."""
-        from zpp.utils.logging import logger
+        from zpp.log import logger
 
         logger.info("%s:", name)
         for key, value in sorted(vars(self).items()):

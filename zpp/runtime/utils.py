@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from zpp.accelerator import get_accelerator
-from zpp.utils.logging import logger, process_rank
+from zpp.log import logger, process_rank
 
 __all__ = ["move_to_device", "see_memory_usage"]
 

@@ -80,7 +80,8 @@ from zpp.zero.shard import SHARD_ALIGN
 
 __all__ = [
     "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
-    "FORWARD_SHARE", "WIRE_OVERHEAD", "all_reduce_link_bytes", "compute_from_step", "even_units", "memory", "predict", "step_time", "traffic", "units_from_trace",
+    "FORWARD_SHARE", "WIRE_OVERHEAD", "all_reduce_link_bytes", "compute_from_step", "even_units", "memory",
+    "predict", "step_time", "traffic", "units_from_trace",
 ]
 
 FORWARD_SHARE = 1.0 / 3.0

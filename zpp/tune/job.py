@@ -41,15 +41,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zpp.tune import cost
-from zpp.zero.trial import TRIAL_ENV, apply
+# torch-free at import (``zpp --help``): the cost model and the trial are imported where used
 
 __all__ = ["CANDIDATES", "add_arguments", "links_from_probe", "run"]
 
 CANDIDATES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp")
 PROFILE_MODE = "zero3"
-PROFILE = cost.MODES[PROFILE_MODE]
-"""The profiling run: ZeRO-3 (its gather trace gives every stage 3 candidate's gathers)."""
+"""The profiling run's mode: ZeRO-3 (its gather trace gives every stage 3 candidate's gathers)."""
 DEFAULT_OUT = "zpp_tuned.json"
 DEFAULT_REPORT = "zpp_tune_report.json"
 LATENCY_S = 50e-6
@@ -68,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def links_from_probe(m: dict[str, Any]) -> tuple[cost.Link, cost.Link]:
     """(intra, inter) links from a trial's probes (see [Note: tuning a job])."""
+    from zpp.tune import cost
+
     W, R, N, nb = m["world"], m["ranks_per_node"], m["nodes"], m["probe_bytes"]
     intra = cost.LINKS["loopback"]
     if R > 1 and m["probe_intra_s"] > 0:
@@ -79,6 +79,8 @@ def links_from_probe(m: dict[str, Any]) -> tuple[cost.Link, cost.Link]:
 
 
 def _units(m: dict[str, Any]) -> list[cost.UnitShape]:
+    from zpp.tune import cost
+
     return cost.units_from_trace([n for n, _ in m["units"]], [bool(p) for _, p in m["units"]],
                                  [tuple(e) for e in m["gather_trace"]])
 
@@ -91,6 +93,8 @@ class _Runner:
         self.logs: dict[str, str] = {}
 
     def __call__(self, mode: cost.Mode) -> dict[str, Any]:
+        from zpp.zero.trial import TRIAL_ENV
+
         tag = mode.name.split(" ")[0]
         trial = self.tmp / f"{tag}.trial.json"
         out = self.tmp / f"{tag}.metrics.json"
@@ -135,6 +139,9 @@ def _free_port() -> int:
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
+    from zpp.tune import cost
+    from zpp.zero.trial import apply
+
     parser: argparse.ArgumentParser = args.parser
     if not command:
         parser.error("--job needs the job's command after --, e.g. zpp tune --job -- python train.py")
@@ -152,7 +159,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             parser.error(f"--candidates: {n!r} is not one of {', '.join(CANDIDATES)}")
     with tempfile.TemporaryDirectory(prefix="zpp-tune-job-") as tmp:
         runner = _Runner(args, command, Path(tmp), start, end)
-        prof = runner(PROFILE)
+        prof = runner(cost.MODES[PROFILE_MODE])
         if "error" in prof:
             print(f"zpp tune --job: the profiling run failed: {prof['error']}", file=sys.stderr)
             return 1
@@ -172,11 +179,14 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
 def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memory_gb: float | None) -> dict:
     """Predict every candidate from the profile, run the ``confirm`` best, pick the fastest
     measured (see [Note: tuning a job])."""
+    from zpp.tune import cost
+
     intra, inter = links_from_probe(prof)
     cluster = cost.Cluster(prof["nodes"], prof["ranks_per_node"], intra, inter)
     units = _units(prof)
-    compute = cost.compute_from_step(prof["step_s"], cost.traffic(PROFILE, units, cluster), cluster)
-    other = int(prof["peak_rss_bytes"] - cost.memory(PROFILE, units, cluster)["peak"])
+    z3 = cost.MODES[PROFILE_MODE]
+    compute = cost.compute_from_step(prof["step_s"], cost.traffic(z3, units, cluster), cluster)
+    other = int(prof["peak_rss_bytes"] - cost.memory(z3, units, cluster)["peak"])
     profile = cost.Profile(compute, other)
     rows = {}
     for n in names:
@@ -217,7 +227,8 @@ def format_report(rep: dict[str, Any]) -> str:
     lines = [f"# zpp tune --job: {rep['nodes']} nodes x {rep['ranks_per_node']} ranks; measured links: inside "
              f"{rep['links']['intra_Bps'] / 1e6:.1f} MB/s, between nodes {rep['links']['inter_Bps'] / 1e6:.2f} MB/s "
              f"per node; compute {rep['compute_s']:.3f} s/step",
-             f"{'mode':<14}{'pred_s':>9}{'measured_s':>11}{'pred_inter_MB':>14}{'meas_inter_MB':>14}{'pred_peak_MB':>13}"]
+             f"{'mode':<14}{'pred_s':>9}{'measured_s':>11}{'pred_inter_MB':>14}{'meas_inter_MB':>14}"
+             f"{'pred_peak_MB':>13}"]
     for r in sorted(rep["candidates"], key=lambda r: r.get("pred_step_s", 0)):
         mark = "  <- winner" if r["mode"] == rep["winner"] else ("  (over --memory-gb)" if not r.get("fits", True)
                                                                   else "")

@@ -21,7 +21,9 @@ import sys
 from typing import Any
 
 from zpp.cluster.netns import parse_rate
-from zpp.tune import cost
+
+# torch-free at import (``zpp --help``): zpp.tune.cost is imported where it is used
+LINK_NAMES = ("nvlink", "pcie", "loopback", "10mbit", "100mbit", "1gbit", "10gbit", "100gbit", "400gbit", "3200gbit")
 
 __all__ = ["MODELS", "add_arguments", "model_units", "run"]
 
@@ -36,9 +38,11 @@ MODELS: dict[str, tuple[int, int, int]] = {
 }
 
 
-def model_units(name: str | None, params: int | None, layers: int) -> list[cost.UnitShape]:
+def model_units(name: str | None, params: int | None, layers: int) -> list:
     """The units of a preset (one per layer, then the rest as the root unit), or ``params``
-    in ``layers`` equal units."""
+    in ``layers`` equal units (:class:`zpp.tune.cost.UnitShape` s)."""
+    from zpp.tune import cost
+
     if name is not None:
         n, per, rest = MODELS[name]
         return [cost.UnitShape(per)] * n + [cost.UnitShape(rest)]
@@ -46,14 +50,20 @@ def model_units(name: str | None, params: int | None, layers: int) -> list[cost.
     return cost.even_units(params, layers)
 
 
-def _link(text: str) -> cost.Link:
-    if text in cost.LINKS:
-        return cost.LINKS[text]
-    try:
-        bits = parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a preset ({', '.join(cost.LINKS)}) nor a rate: {e}")
-    return cost.Link(text, bits / 8, 5e-6, True)
+def _link(text: str) -> str:
+    """A preset's name or a rate (checked here, made a :class:`zpp.tune.cost.Link` by :func:`link`)."""
+    if text not in LINK_NAMES:
+        try:
+            parse_rate(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a preset ({', '.join(LINK_NAMES)}) nor a rate: {e}")
+    return text
+
+
+def link(text: str):
+    from zpp.tune import cost
+
+    return cost.LINKS[text] if text in cost.LINKS else cost.Link(text, parse_rate(text) / 8, 5e-6, True)
 
 
 def add_arguments(p: argparse.ArgumentParser, param_count) -> None:
@@ -63,9 +73,9 @@ def add_arguments(p: argparse.ArgumentParser, param_count) -> None:
     g.add_argument("--params", type=param_count, default=None, metavar="N", help="or: parameters (25M, 1.3B)")
     g.add_argument("--layers", type=int, default=8, help="with --params: its units (default: 8)")
     g.add_argument("--nodes", type=int, default=2, help="(default: 2)")
-    g.add_argument("--intra", type=_link, default=cost.LINKS["nvlink"],
-                   help=f"inside a node: {', '.join(cost.LINKS)} or a rate (default: nvlink)")
-    g.add_argument("--inter", type=_link, default=cost.LINKS["100gbit"],
+    g.add_argument("--intra", type=_link, default="nvlink",
+                   help=f"inside a node: {', '.join(LINK_NAMES)} or a rate (default: nvlink)")
+    g.add_argument("--inter", type=_link, default="100gbit",
                    help="between nodes, per node: a preset or a rate such as 25gbit (default: 100gbit)")
     g.add_argument("--compute-s", type=float, default=None, help="seconds of one step without communication")
     g.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens per rank and step (default: 4096)")
@@ -73,15 +83,19 @@ def add_arguments(p: argparse.ArgumentParser, param_count) -> None:
     g.add_argument("--mfu", type=float, default=0.4, help="model flops utilization (default: 0.4)")
     g.add_argument("--param-bytes", type=int, choices=(2, 4), default=2,
                    help="bytes per parameter on the wire in gathers (default: 2, bf16; gradients reduce in fp32)")
-    g.add_argument("--modes", default=",".join(cost.MODES), help="comma-separated (default: all)")
-    g.add_argument("--memory-gb", type=float, default=None, help="memory per rank: --predict marks, --job drops, the modes predicted above it")
+    g.add_argument("--modes", default=None, help="comma-separated (default: all)")
+    g.add_argument("--memory-gb", type=float, default=None,
+                   help="memory per rank: --predict marks, --job drops, the modes predicted above it")
     g.add_argument("--other-gb", type=float, default=0.0, help="per rank beside the model states (activations)")
     g.add_argument("--json", default=None, metavar="FILE", help="also write the predictions here")
 
 
-def predictions(args: argparse.Namespace) -> tuple[cost.Cluster, list[cost.Prediction], dict[str, Any]]:
+def predictions(args: argparse.Namespace) -> tuple[Any, list, dict[str, Any]]:
+    """(cluster, predictions, what they assumed) for the parsed arguments."""
+    from zpp.tune import cost
+
     rpn = args.ranks_per_node or 8
-    c = cost.Cluster(args.nodes, rpn, args.intra, args.inter)
+    c = cost.Cluster(args.nodes, rpn, link(args.intra), link(args.inter))
     units = model_units(args.model, args.params, args.layers)
     psi = sum(u.numel for u in units)
     other = int(args.other_gb * 1e9)
@@ -91,7 +105,7 @@ def predictions(args: argparse.Namespace) -> tuple[cost.Cluster, list[cost.Predi
         prof = cost.Profile.from_flops(psi, args.tokens_per_rank, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
                                        other_bytes=other)
     modes = []
-    for name in args.modes.split(","):
+    for name in (args.modes.split(",") if args.modes else cost.MODES):
         if name not in cost.MODES:
             raise ValueError(f"--modes: {name!r} is not a mode; choices: {', '.join(cost.MODES)}")
         modes.append(cost.MODES[name])
@@ -112,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
         parser.error(str(e))
     print(f"# zpp tune --predict: {meta['params']:,} parameters in {meta['units']} units, compute "
           f"{meta['compute_s']:.4g} s/step, {meta['param_bytes']}-byte parameters on the wire")
-    print(cost.format_predictions(rows, c))
+    from zpp.tune.cost import format_predictions
+
+    print(format_predictions(rows, c))
     if args.memory_gb is not None:
         over = [r.mode for r in rows if r.peak_bytes > args.memory_gb * 1e9]
         print(f"# do not fit in {args.memory_gb:g} GB per rank: {', '.join(over) or 'none'}")

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from zpp.utils.z3_leaf_module import DEFAULT_LEAF_MODULE_CLASSES
+from zpp.zero.leaf_modules import DEFAULT_LEAF_MODULE_CLASSES
 from zpp.zero.checks import (
     check_bool,
     check_choice,
@@ -74,7 +74,7 @@ class OffloadConfig:
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class LeafModuleConfig:
     """Stage 3: modules gathered whole, nothing inside them on its own (DeepSpeed's
-    ``zero_optimization.leaf_module``; see :mod:`zpp.utils.z3_leaf_module`). Applied at
+    ``zero_optimization.leaf_module``; see :mod:`zpp.zero.leaf_modules`). Applied at
     :func:`zpp.initialize` by setting the modules' ``_z3_leaf`` flag."""
 
     classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from zpp.utils.logging import log_dist_once
+from zpp.log import log_dist_once
 from zpp.zero.checks import check_mapping, from_section
 from zpp.zero.config import (
     OPTIMIZER_PARAM_CHECKS, OPTIMIZER_PARAMS, SCHEDULER_PARAM_CHECKS, SCHEDULERS,

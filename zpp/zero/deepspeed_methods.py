@@ -81,7 +81,7 @@ class DeepSpeedMethods:
         ``stage3_gather_16bit_weights_on_model_save`` is off (the shards alone are no model)."""
         if self.policy.shard_parameters:
             if not self.zero_gather_16bit_weights_on_model_save():
-                from zpp.utils.logging import logger
+                from zpp.log import logger
 
                 logger.info(f"Did not save the model {os.path.join(save_dir, save_filename)} because "
                             "stage3_gather_16bit_weights_on_model_save is False")

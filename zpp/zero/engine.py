@@ -63,7 +63,7 @@ import torch
 from zpp.comm.nonfinite import NonFiniteGradientError
 from zpp.comm.plan import TunePlan
 from zpp.comm.transport import Transport
-from zpp.utils.logging import logger
+from zpp.log import logger
 from zpp.zero import access, checkpoint
 from zpp.zero import init as zinit
 from zpp.zero.accessors import DeepSpeedAccessors

@@ -4,7 +4,7 @@
 With sharded parameters, units are made at *unit roots*, in post-order: a unit root takes
 every parameter of its subtree not yet in a unit, and the model's root takes what is left
 (FSDP2's ``fully_shard(block)`` calls, then ``fully_shard(model)``). A ZeRO-3 leaf module
-(DeepSpeed's ``_z3_leaf`` flag, set by :mod:`zpp.utils.z3_leaf_module` or by the config's
+(DeepSpeed's ``_z3_leaf`` flag, set by :mod:`zpp.zero.leaf_modules` or by the config's
 ``zero_optimization.leaf_module``, whose default names the Mixtral and Qwen MoE blocks) is
 a unit root before any rule below, and nothing inside it is one: it is gathered whole. The other unit roots are,
 first match wins:
@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 import torch
 
-from zpp.utils.z3_leaf_module import apply_leaf_module_config, z3_leaf_module
+from zpp.zero.leaf_modules import apply_leaf_module_config, z3_leaf_module
 from zpp.zero import init as zinit
 from zpp.zero.config import TrainConfig
 from zpp.zero.param_groups import ParamGroups

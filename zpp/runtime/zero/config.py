@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from zpp.utils.z3_leaf_module import DEFAULT_LEAF_MODULE_CLASSES
+from zpp.zero.leaf_modules import DEFAULT_LEAF_MODULE_CLASSES
 from zpp.zero.checks import check_bool, check_int, check_number, check_str
 from zpp.zero.deepspeed_keys import KEYS, ZERO_ALIASES
 
