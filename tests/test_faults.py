@@ -147,7 +147,10 @@ def test_silent_rank_is_named(kind, mode, tmp_path):
             assert run.ended[r] - run.results[r]["t"] < EXIT_S, (r, run.ended[r] - run.results[r]["t"])
     else:
         assert run.codes[0] not in (0, None), run.codes  # aborted, by itself (not at the deadline)
-        assert "MPI_Abort" in run.output
+        # MPICH's "MPI_Abort" line is printed by the launcher while it kills the ranks and was
+        # lost once under load (CI, 2026-12-02): the job's own end, well before the deadline,
+        # with the error raised on every surviving rank is what shows the abort
+        assert "MPI_Abort" in run.output or run.wall_s < T + 30, (run.wall_s, run.output[-2000:])
         assert run.shm_removed, "an aborted MPICH job leaves its segment; the launcher's watch removes it"
         assert run.ended[0] - max(run.results[r]["t"] for r in (0, 2)) < EXIT_S, run.ended
     _clean(run)
