@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from zpp.comm import get_transport  # noqa: E402
 from zpp.comm.topology import topology_of  # noqa: E402
-from zpp.zero.trial import LINK_PROBE_BYTES, _probe  # noqa: E402
+from zpp.zero.trial import LINK_PROBE_BYTES, probe_all_gather  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -25,8 +25,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t = get_transport()
     topo = topology_of(t)
-    world = sorted(_probe(t, args.bytes) for _ in range(args.repeat))[args.repeat // 2]
-    intra = sorted(_probe(topo.intra, args.bytes) for _ in range(args.repeat))[args.repeat // 2] \
+    world = sorted(probe_all_gather(t, args.bytes) for _ in range(args.repeat))[args.repeat // 2]
+    intra = sorted(probe_all_gather(topo.intra, args.bytes) for _ in range(args.repeat))[args.repeat // 2] \
         if topo.ranks_per_node > 1 else 0.0
     if t.rank == 0:
         with open(args.json, "w") as f:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from zpp.bench.launch import free_port
 from zpp.tune import cost, job
 from zpp.zero.trial import apply
 
@@ -96,7 +97,7 @@ def test_tune_job_end_to_end(tmp_path):
     assert tuned["zero_optimization"] == {**want, "stage3_param_persistence_threshold": 0}
     assert tuned["optimizer"]["type"] == "AdamW" and "autotuning" not in tuned
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-                          f"--master-port={job._free_port()}", str(script), "--deepspeed_config",
+                          f"--master-port={free_port()}", str(script), "--deepspeed_config",
                           str(tmp_path / job.DEFAULT_OUT), "--steps", "3"], cwd=tmp_path,
                          env={**env, "ZPP_RANKS_PER_NODE": "2"}, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]

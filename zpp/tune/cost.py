@@ -75,6 +75,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from zpp.quant.types import quantized_nbytes
+from zpp.tune.links import LINKS, Link
 from zpp.zero.checks import check_int, check_number
 from zpp.zero.shard import SHARD_ALIGN
 
@@ -91,38 +92,6 @@ one of the forward)."""
 WIRE_OVERHEAD = 1.035
 """Bytes the kernel sends on an Ethernet link per byte of payload (headers): 236.1 MB on the
 node link for 228.3 MB of ring payload (zpp stage 3, 25M GPT, 2 x 2, 100 Mbit)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Link:
-    """One level of the network: bandwidth in bytes/s (one direction) and per-message
-    latency. ``shared``: one link per node shared by its ranks (a NIC), else one per rank."""
-
-    name: str
-    bandwidth: float
-    latency_s: float
-    shared: bool
-
-
-def _gbit(x: float) -> float:
-    return x * 1e9 / 8
-
-
-#: Presets. Inside a node: NVLink 4 (H100, 450 GB/s a direction), PCIe 4 x16 (~25 GB/s
-#: usable), loopback (the emulated cluster's namespace on this 2-core machine). Between nodes
-#: the node's whole injection bandwidth (an 8-GPU node with eight 400 Gbit NICs is "3200gbit").
-LINKS: dict[str, Link] = {
-    "nvlink": Link("nvlink", 450e9, 3e-6, False),
-    "pcie": Link("pcie", 25e9, 10e-6, False),
-    "loopback": Link("loopback", 2e9, 30e-6, False),
-    "10mbit": Link("10mbit", _gbit(0.01), 200e-6, True),
-    "100mbit": Link("100mbit", _gbit(0.1), 100e-6, True),
-    "1gbit": Link("1gbit", _gbit(1), 50e-6, True),
-    "10gbit": Link("10gbit", _gbit(10), 20e-6, True),
-    "100gbit": Link("100gbit", _gbit(100), 5e-6, True),
-    "400gbit": Link("400gbit", _gbit(400), 5e-6, True),
-    "3200gbit": Link("3200gbit", _gbit(3200), 5e-6, True),
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -511,12 +480,19 @@ def call_time(c: Call, cluster: Cluster) -> float:
     return max(t_inter, t_intra)
 
 
+def _comm_parts(t: Traffic, cluster: Cluster) -> tuple[float, float, float]:
+    """Seconds per step of ``t``'s calls in line, prefetched (stage 3's forward gathers) and in
+    the background (the outer sync)."""
+    parts = [0.0, 0.0, 0.0]
+    for c in t.calls:
+        parts[2 if c.background else 1 if c.prefetched else 0] += call_time(c, cluster) * c.weight
+    return parts[0], parts[1], parts[2]
+
+
 def step_time(t: Traffic, cluster: Cluster, profile: Profile) -> tuple[float, float]:
     """(step seconds, communication seconds) of one step. Background calls (the outer sync
     with ``delay`` > 0) show only where they exceed the step they run beside."""
-    sync = sum(call_time(c, cluster) * c.weight for c in t.calls if not (c.background or c.prefetched))
-    ahead = sum(call_time(c, cluster) * c.weight for c in t.calls if c.prefetched)
-    bg = sum(call_time(c, cluster) * c.weight for c in t.calls if c.background)
+    sync, ahead, bg = _comm_parts(t, cluster)
     fwd = profile.compute_s * FORWARD_SHARE
     step = max(fwd, ahead) + profile.compute_s - fwd + sync * (1.0 - profile.overlap)
     return step + max(0.0, bg - step), sync + ahead + bg
@@ -525,10 +501,8 @@ def step_time(t: Traffic, cluster: Cluster, profile: Profile) -> tuple[float, fl
 def compute_from_step(step_s: float, t: Traffic, cluster: Cluster) -> float:
     """The compute of a measured step whose calls are ``t`` (:func:`step_time` solved for
     ``compute_s``; 0 when the communication alone explains the step)."""
-    _, comm = step_time(t, cluster, Profile(0.0))
-    ahead = sum(call_time(c, cluster) * c.weight for c in t.calls if c.prefetched)
-    bg = sum(call_time(c, cluster) * c.weight for c in t.calls if c.background)
-    rest = step_s - (comm - ahead - bg)  # = max(F c, ahead) + (1 - F) c
+    sync, ahead, _ = _comm_parts(t, cluster)
+    rest = step_s - sync  # = max(F c, ahead) + (1 - F) c
     c = rest
     if ahead > FORWARD_SHARE * c:  # the forward waited on its gathers
         c = (rest - ahead) / (1.0 - FORWARD_SHARE)

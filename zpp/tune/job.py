@@ -41,6 +41,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from zpp.bench.launch import free_port
+
 # torch-free at import (``zpp --help``): the cost model and the trial are imported where used
 
 __all__ = ["CANDIDATES", "add_arguments", "links_from_probe", "run"]
@@ -60,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the job's DeepSpeed config: its autotuning keys are read and the tuned config is it "
                         "plus the winner's sections")
     g.add_argument("--candidates", default=",".join(CANDIDATES), help=f"(default: {','.join(CANDIDATES)})")
-    g.add_argument("--report", default=DEFAULT_REPORT, metavar="FILE", help=f"(default: {DEFAULT_REPORT})")
+    g.add_argument("--report", default=DEFAULT_REPORT, metavar="FILE",
+                   help=f"(default: {DEFAULT_REPORT}, in the config's autotuning.results_dir when it has one)")
     g.add_argument("--job-timeout", type=float, default=900.0, help="seconds per run of the job (default: 900)")
 
 
@@ -95,13 +98,12 @@ class _Runner:
     def __call__(self, mode: cost.Mode) -> dict[str, Any]:
         from zpp.zero.trial import TRIAL_ENV
 
-        tag = mode.name.split(" ")[0]
-        trial = self.tmp / f"{tag}.trial.json"
-        out = self.tmp / f"{tag}.metrics.json"
+        trial = self.tmp / f"{mode.name}.trial.json"
+        out = self.tmp / f"{mode.name}.metrics.json"
         trial.write_text(json.dumps({"overrides": mode.config(self.rpn), "start": self.start, "end": self.end,
                                      "out": str(out)}))
         env = {TRIAL_ENV: str(trial)}
-        log = self.tmp / f"{tag}.log"
+        log = self.tmp / f"{mode.name}.log"
         print(f"zpp tune --job: running {mode.name} ...", file=sys.stderr, flush=True)
         with open(log, "w") as f:
             rc = self._launch(env, f)
@@ -119,23 +121,14 @@ class _Runner:
 
             return cluster.run(self.command, ranks_per_node=self.rpn, env=env, timeout=self.args.job_timeout,
                                stdout=f, stderr=f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nprocs}",
+               f"--master-port={free_port()}"]
+        if os.path.basename(self.command[0]).startswith("python"):
+            cmd += self.command[1:]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nprocs}",
-                   f"--master-port={_free_port()}"]
-            if self.command[0].endswith("python") or os.path.basename(self.command[0]).startswith("python"):
-                cmd += self.command[1:]
-            else:
-                cmd += ["--no-python", *self.command]
-            return subprocess.run(cmd, env={**os.environ, **env, "ZPP_RANKS_PER_NODE": str(self.rpn)},
-                                  stdout=f, stderr=subprocess.STDOUT, timeout=self.args.job_timeout).returncode
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            cmd += ["--no-python", *self.command]
+        return subprocess.run(cmd, env={**os.environ, **env, "ZPP_RANKS_PER_NODE": str(self.rpn)},
+                              stdout=f, stderr=subprocess.STDOUT, timeout=self.args.job_timeout).returncode
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
@@ -153,6 +146,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     if end <= start:
         parser.error(f"autotuning.end_profile_step={end} must be above start_profile_step={start}")
     confirm = int(at.get("tuner_num_trials", 3))
+    report_path = Path(args.report)
+    if args.report == DEFAULT_REPORT and at.get("results_dir"):  # DeepSpeed's autotuning.results_dir
+        report_path = Path(at["results_dir"]) / DEFAULT_REPORT
+        report_path.parent.mkdir(parents=True, exist_ok=True)
     names = args.candidates.split(",")
     for n in names:
         if n not in cost.MODES or not cost.MODES[n].same_optimizer:
@@ -170,9 +167,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     tuned.pop("autotuning", None)
     Path(args.out).write_text(json.dumps(tuned, indent=2) + "\n")
     report.update(command=" ".join(shlex.quote(c) for c in command), config=args.config, out=args.out)
-    Path(args.report).write_text(json.dumps(report, indent=1) + "\n")
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
     print(format_report(report))
-    print(f"# wrote {args.out} (the job's config with {winner.name}'s sections) and {args.report}")
+    print(f"# wrote {args.out} (the job's config with {winner.name}'s sections) and {report_path}")
     return 0
 
 
@@ -190,7 +187,6 @@ def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memo
     profile = cost.Profile(compute, other)
     rows = {}
     for n in names:
-
         p = cost.predict([cost.MODES[n]], units=units, cluster=cluster, profile=profile)[0]
         rows[n] = {"mode": n, "pred_step_s": p.step_s, "pred_inter_bytes": p.inter_bytes,
                    "pred_intra_bytes": p.intra_bytes, "pred_peak_bytes": p.peak_bytes,

@@ -20,10 +20,9 @@ import json
 import sys
 from typing import Any
 
-from zpp.cluster.netns import parse_rate
+from zpp.tune.links import LINKS, link
 
 # torch-free at import (``zpp --help``): zpp.tune.cost is imported where it is used
-LINK_NAMES = ("nvlink", "pcie", "loopback", "10mbit", "100mbit", "1gbit", "10gbit", "100gbit", "400gbit", "3200gbit")
 
 __all__ = ["MODELS", "add_arguments", "model_units", "run"]
 
@@ -50,20 +49,12 @@ def model_units(name: str | None, params: int | None, layers: int) -> list:
     return cost.even_units(params, layers)
 
 
-def _link(text: str) -> str:
-    """A preset's name or a rate (checked here, made a :class:`zpp.tune.cost.Link` by :func:`link`)."""
-    if text not in LINK_NAMES:
-        try:
-            parse_rate(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r} is neither a preset ({', '.join(LINK_NAMES)}) nor a rate: {e}")
-    return text
-
-
-def link(text: str):
-    from zpp.tune import cost
-
-    return cost.LINKS[text] if text in cost.LINKS else cost.Link(text, parse_rate(text) / 8, 5e-6, True)
+def _link(text: str):
+    """:func:`zpp.tune.links.link` for argparse."""
+    try:
+        return link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a preset ({', '.join(LINKS)}) nor a rate: {e}")
 
 
 def add_arguments(p: argparse.ArgumentParser, param_count) -> None:
@@ -73,9 +64,9 @@ def add_arguments(p: argparse.ArgumentParser, param_count) -> None:
     g.add_argument("--params", type=param_count, default=None, metavar="N", help="or: parameters (25M, 1.3B)")
     g.add_argument("--layers", type=int, default=8, help="with --params: its units (default: 8)")
     g.add_argument("--nodes", type=int, default=2, help="(default: 2)")
-    g.add_argument("--intra", type=_link, default="nvlink",
-                   help=f"inside a node: {', '.join(LINK_NAMES)} or a rate (default: nvlink)")
-    g.add_argument("--inter", type=_link, default="100gbit",
+    g.add_argument("--intra", type=_link, default=LINKS["nvlink"],
+                   help=f"inside a node: {', '.join(LINKS)} or a rate (default: nvlink)")
+    g.add_argument("--inter", type=_link, default=LINKS["100gbit"],
                    help="between nodes, per node: a preset or a rate such as 25gbit (default: 100gbit)")
     g.add_argument("--compute-s", type=float, default=None, help="seconds of one step without communication")
     g.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens per rank and step (default: 4096)")
@@ -95,7 +86,7 @@ def predictions(args: argparse.Namespace) -> tuple[Any, list, dict[str, Any]]:
     from zpp.tune import cost
 
     rpn = args.ranks_per_node or 8
-    c = cost.Cluster(args.nodes, rpn, link(args.intra), link(args.inter))
+    c = cost.Cluster(args.nodes, rpn, args.intra, args.inter)
     units = model_units(args.model, args.params, args.layers)
     psi = sum(u.numel for u in units)
     other = int(args.other_gb * 1e9)

@@ -33,7 +33,7 @@ import torch
 if TYPE_CHECKING:
     from zpp.zero.engine import ZeroEngine
 
-__all__ = ["LINK_PROBE_BYTES", "MODE_KEYS", "TRIAL_ENV", "active", "apply", "attach"]
+__all__ = ["LINK_PROBE_BYTES", "MODE_KEYS", "TRIAL_ENV", "active", "apply", "attach", "probe_all_gather"]
 
 TRIAL_ENV = "ZPP_TUNE_TRIAL"
 LINK_PROBE_BYTES = 1 << 20
@@ -70,21 +70,7 @@ def apply(config: Mapping[str, Any], trial: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
-def _eth_tx() -> int | None:
-    """Bytes sent so far on this network namespace's first non-loopback interface."""
-    try:
-        with open("/proc/net/dev") as f:
-            rows = f.read().splitlines()[2:]
-    except OSError:
-        return None
-    for row in rows:
-        name, data = row.split(":", 1)
-        if name.strip() != "lo":
-            return int(data.split()[8])
-    return None
-
-
-def _probe(transport, nbytes: int) -> float:
+def probe_all_gather(transport, nbytes: int) -> float:
     """Seconds of one all-gather of ``nbytes`` per rank (after one untimed), on every rank."""
     if transport.world_size == 1:
         return 0.0
@@ -104,6 +90,7 @@ class _Timer:
         self.count = 0
         self.times: list[float] = []
         self.last = 0.0
+        self.link0 = None  # the node link's counters at the start of the timed steps (zpp cluster)
         self.step = engine.step
 
     def __call__(self, *args, **kwargs):
@@ -111,10 +98,12 @@ class _Timer:
         self.count += 1
         now = time.perf_counter()
         if self.count == self.start:
+            from zpp.cluster.linkstats import read_link
+
             self.engine.world.barrier()
             now = time.perf_counter()
             self.engine.world.counters.reset()
-            self.eth0 = _eth_tx()
+            self.link0 = read_link()
         elif self.count > self.start:
             self.times.append(now - self.last)
         self.last = now
@@ -123,16 +112,17 @@ class _Timer:
         return out
 
     def finish(self) -> None:
+        from zpp.cluster.linkstats import read_link
+        from zpp.comm.topology import topology_of
+
         e, w = self.engine, self.engine.world
         n = max(1, len(self.times))
         total = w.counters.total()
-        eth = _eth_tx()
-        eth_per_step = (eth - self.eth0) / n if eth is not None and self.eth0 is not None else None
-        from zpp.comm.topology import topology_of
-
+        link = read_link()
+        eth_per_step = (link - self.link0).tx_bytes / n if link is not None and self.link0 is not None else None
         topo = topology_of(w)
-        t_world = _probe(w, LINK_PROBE_BYTES)
-        t_intra = _probe(topo.intra, LINK_PROBE_BYTES) if topo.ranks_per_node > 1 else 0.0
+        t_world = probe_all_gather(w, LINK_PROBE_BYTES)
+        t_intra = probe_all_gather(topo.intra, LINK_PROBE_BYTES) if topo.ranks_per_node > 1 else 0.0
         peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
         w.all_reduce(peak, "max")
         trace = e._prefetch.trace() or ()
