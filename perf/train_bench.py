@@ -53,6 +53,9 @@ VARIANTS = {
     "zero3-hpz": {"stage": 3, "zero_hpz_partition_size": -1},  # -1: ranks per node
     "zero3-qgz": {"stage": 3, "zero_quantized_gradients": True},
     "zero3-zeropp": {"stage": 3, **_ZEROPP},
+    # the reductions in line (overlap_comm is on by default at stage 3): the side-by-side rows
+    "zero3-inline": {"stage": 3, "overlap_comm": False},
+    "zero3-zeropp-inline": {"stage": 3, **_ZEROPP, "overlap_comm": False},
 }
 DEFAULT_VARIANTS = [v for v in VARIANTS if not v.startswith("deepspeed")]
 LR = 1e-3
@@ -110,15 +113,20 @@ def _run_variant(t, name, args, data):
     model = trainlib.make_model(args)
     psi = sum(p.numel() for p in model.parameters())
     net, backward, opt_step, engine = _build(name, model, t, args)
-    measured, snap = trainlib.timed_steps(t, args, data, net, backward, opt_step)
+    on_timed = engine.link_waits if engine is not None else None  # drops the warm-up's waits
+    measured, snap = trainlib.timed_steps(t, args, data, net, backward, opt_step, on_timed=on_timed)
     row = {"variant": name, "params": psi, **measured}
     if engine is not None:
+        # rank 0's seconds per step blocked on communication, per phase (zpp.zero LinkWaits)
+        row["link_wait_s"] = {k: v / args.steps for k, v in sorted(engine.link_waits().items())}
         row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
         row["model_state_bytes"] = sum(engine.model_state_bytes().values())
         # each unit's elements and whether it stays whole at stage 3 (for zpp/tune/cost.py)
         row["units"] = [[u.layout.numel, not u.shards_params] for u in engine.units]
         row["gather_trace"] = [[i, phase.value] for i, phase in engine._prefetch.trace() or ()]
         row["bytes_source"] = "counters"
+        if args.trace:
+            row["trace"] = _trace_step(t, args, data, engine)
         engine.close()
     else:
         kind = "ddp" if name == "ddp" else "fsdp"
@@ -127,6 +135,38 @@ def _run_variant(t, name, args, data):
         row["model_state_bytes"] = None
     row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row
+
+
+def _trace_step(t, args, data, engine) -> dict:
+    """One more step, under ``torch.profiler`` on rank 0: its chrome trace to ``args.trace``
+    (compute ops beside zpp's spans: ``zpp.forward/backward/step``, ``zpp.wait.<phase>``,
+    ``zpp.reduce`` on the reduction thread) and its zpp spans as a text timeline to
+    ``args.trace`` + ".txt"; returns where they are."""
+    g = torch.Generator().manual_seed(1000 + t.rank)
+    x, y = data.batch(args.batch, args.block, g)
+    t.barrier()
+    if t.rank != 0:
+        engine.backward(engine(x, y))
+        engine.step()
+        t.barrier()
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.backward(engine(x, y))
+        engine.step()
+    t.barrier()
+    prof.export_chrome_trace(args.trace)
+    spans = sorted((e.time_range.start, e.time_range.end, e.thread, e.name) for e in prof.events()
+                   if e.name.startswith("zpp."))
+    t0 = spans[0][0] if spans else 0
+    threads = {th: i for i, th in enumerate(dict.fromkeys(s[2] for s in spans))}
+    lines = [f"# one training step on rank 0 ({args.model} {args.n_layer} x {args.n_embd}); start and length "
+             "in seconds; thread 0 trains, thread 1 reduces (overlap_comm)"]
+    lines += [f"{(s - t0) / 1e6:9.3f} {(e - s) / 1e6:8.3f}  thread {threads[th]}  {name}" for s, e, th, name in spans]
+    with open(args.trace + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return {"chrome": args.trace, "text": args.trace + ".txt"}
 
 
 def bench(t, args):
@@ -151,17 +191,18 @@ def header(args, world, per_node):
 
 
 def print_rows(rows):
-    print(f"{'variant':<18}{'step_s':>8}{'fwd_bwd_s':>10}{'opt_s':>7}{'inter_B/step':>14}"
-          f"{'eth_tx_B/step (node 0, 1)':>28}{'state_B':>11}{'peak_MiB':>9}{'loss':>7}")
+    print(f"{'variant':<20}{'step_s':>8}{'fwd_bwd_s':>10}{'opt_s':>7}{'inter_B/step':>14}"
+          f"{'eth_tx_B/step (node 0, 1)':>28}{'state_B':>11}{'peak_MiB':>9}{'loss':>7}  link waits s/step (rank 0)")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<18} failed: {r['error']}")
+            print(f"{r['variant']:<20} failed: {r['error']}")
             continue
         mark = "" if r["bytes_source"] == "counters" else " (model)"
         state = "-" if r["model_state_bytes"] is None else f"{r['model_state_bytes']}"
-        print(f"{r['variant']:<18}{r['step_s']:>8.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_s']:>7.3f}"
+        waits = " ".join(f"{k} {v:.2f}" for k, v in r.get("link_wait_s", {}).items() if v >= 0.005)
+        print(f"{r['variant']:<20}{r['step_s']:>8.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_s']:>7.3f}"
               f"{r['inter_bytes']:>14.0f}{trainlib.fmt_eth(r, 'eth_tx_bytes_per_node'):>28}{state:>11}"
-              f"{r['peak_rss_mib']:>9.0f}{r['loss']:>7.3f}{mark}")
+              f"{r['peak_rss_mib']:>9.0f}{r['loss']:>7.3f}{mark}  {waits}")
 
 
 def _rank_main(t, args):
@@ -188,6 +229,9 @@ def parser():
                         "DeepSpeed's rows keep DeepSpeed's default)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--trace", default=None,
+                   help="zpp variants: one more step under torch.profiler on rank 0, its chrome trace written "
+                        "here and its zpp spans to TRACE.txt (one variant per run: the path is reused)")
     return p
 
 

@@ -4,12 +4,17 @@ one table, the engine issue's targets checked, everything in perf/results/train_
     sudo python perf/train_cluster.py                                # 2 nodes x 2, 100mbit and 1gbit
     sudo python perf/train_cluster.py --rates 100mbit --variants zero3,zero3-zeropp
     sudo python perf/train_cluster.py --ds-python .dsenv/bin/python  # adds DeepSpeed ZeRO-3 rows
+    sudo python perf/train_cluster.py --rates 1000gbit,1gbit,100mbit   # utilization: unshaped first
 
 Each variant runs as its own ``zpp cluster run`` (so peak memory is the variant's own and a
 variant that fails cannot disturb the next), with the same model, data and step counts.
 Targets (issue 5, at the slow rate): zpp stage 3's step within 10% of FSDP2's; stage 3 with
 all of ZeRO++ >= 3x faster per step than stage 3, with <= 0.15 of its inter-node bytes
-(counted by zpp's wire counters and measured on the node links).
+(counted by zpp's wire counters and measured on the node links). With an unshaped rate
+(``1000gbit``: the veths' own speed) run first, each variant's compute utilization at the
+slower rates (its unshaped step over its step there) and issue 25's targets: ZeRO++ >= 0.8 at
+100 Mbit, zpp ZeRO-3 >= 0.5 at 1 Gbit, ZeRO++ >= 8x DeepSpeed ZeRO-3 at 100 Mbit and faster
+than FSDP2 at every rate.
 """
 from __future__ import annotations
 
@@ -46,7 +51,17 @@ def _variant(name: str, rate: str, args, tmp: Path) -> dict:
 
 
 
-def check(rows: dict[str, dict], slow: bool) -> list[str]:
+UNSHAPED_BITS = 1e11  # a rate at or above this is the unshaped profile
+
+
+def utilization(rows: dict[str, dict], unshaped: dict[str, dict]) -> dict[str, float]:
+    """Per variant: its unshaped step over its step in ``rows``."""
+    return {k: unshaped[k]["step_s"] / r["step_s"] for k, r in rows.items()
+            if "error" not in r and "error" not in unshaped.get(k, {"error": 1})}
+
+
+def check(rows: dict[str, dict], slow: bool, util: dict[str, float] | None = None,
+          rate_bits: float = 0.0) -> list[str]:
     ok = {k: r for k, r in rows.items() if "error" not in r}
     lines = []
 
@@ -64,6 +79,16 @@ def check(rows: dict[str, dict], slow: bool) -> list[str]:
         if trainlib.busiest_eth(z3) and trainlib.busiest_eth(pp):
             say("ZeRO++ / stage 3 node-link bytes (measured)", trainlib.busiest_eth(pp) / trainlib.busiest_eth(z3),
                 "<=", 0.15)
+    if util:  # issue 25
+        if "zero3-zeropp" in util and rate_bits <= 2e8:
+            say("ZeRO++ compute utilization", util["zero3-zeropp"], ">=", 0.8)
+        if "zero3" in util and 5e8 <= rate_bits <= 2e9:
+            say("zpp ZeRO-3 compute utilization", util["zero3"], ">=", 0.5)
+    if "zero3-zeropp" in ok and "deepspeed3" in ok and slow:
+        say("ZeRO++ step speedup over DeepSpeed ZeRO-3", ok["deepspeed3"]["step_s"] / ok["zero3-zeropp"]["step_s"],
+            ">=", 8.0)
+    if "zero3-zeropp" in ok and "fsdp2" in ok:
+        say("ZeRO++ step speedup over FSDP2", ok["fsdp2"]["step_s"] / ok["zero3-zeropp"]["step_s"], ">=", 1.0)
     return lines
 
 
@@ -99,14 +124,23 @@ def main(argv=None) -> int:
     record = clusterlib.new_record(args.nodes, args.ranks_per_node,
                                    model={k: getattr(args, k) for k in MODEL_ARGS})
     with tempfile.TemporaryDirectory() as tmp:
+        unshaped: dict[str, dict] = {}
+
         def one_rate(rate: str, rate_bits: int) -> None:
             rows = {}
             for v in variants:
                 rows[v] = _variant(v, rate, args, Path(tmp))
                 print(f"[{rate}] {v}: " + (rows[v].get("error") or f"{rows[v]['step_s']:.2f} s/step"),
                       file=sys.stderr, flush=True)
-            lines = check(rows, slow=rate_bits <= 2e8)
-            record["runs"].append({"rate": rate, "rows": list(rows.values()), "checks": lines})
+            if rate_bits >= UNSHAPED_BITS:
+                unshaped.update(rows)
+            util = utilization(rows, unshaped) if unshaped and rate_bits < UNSHAPED_BITS else {}
+            lines = check(rows, slow=rate_bits <= 2e8, util=util, rate_bits=rate_bits)
+            if util:
+                lines.insert(0, "compute utilization (unshaped step / step): "
+                             + ", ".join(f"{k} {v:.2f}" for k, v in util.items()))
+            record["runs"].append({"rate": rate, "rows": list(rows.values()), "checks": lines,
+                                   "utilization": util})
             params = next((r["params"] for r in rows.values() if "params" in r), "?")
             print(f"\n## {rate}, {args.nodes} nodes x {args.ranks_per_node} ranks, {args.model} {args.n_layer} x "
                   f"{args.n_embd}, {params} parameters, batch {args.batch} x {args.block} per rank")

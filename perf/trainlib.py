@@ -119,7 +119,7 @@ def node_eth_per_step(t, before, after, steps: int) -> dict:
             "tcp_retrans_per_node": [n[2] for n in nodes]}
 
 
-def timed_steps(t, args, data, net, backward, opt_step) -> tuple[dict, dict]:
+def timed_steps(t, args, data, net, backward, opt_step, on_timed=None) -> tuple[dict, dict]:
     """``args.warmup`` untimed training steps, then ``args.steps`` timed ones between barriers.
 
     A step draws a batch from ``data`` (this rank's own stream), runs ``loss = net(x, y)``,
@@ -127,7 +127,7 @@ def timed_steps(t, args, data, net, backward, opt_step) -> tuple[dict, dict]:
     ``fwd_bwd_s`` and ``opt_s``, the step split at the end of ``backward``; the last ``loss``;
     every node's link bytes per step, see :func:`node_eth_per_step`) and the transport's wire
     counters over the timed steps (a snapshot; empty for a library that does not send through
-    ``t``)."""
+    ``t``). ``on_timed()``, when given, is called between the warm-up and the timed steps."""
     g = torch.Generator().manual_seed(t.rank)
     split = [0.0, 0.0]
 
@@ -144,6 +144,8 @@ def timed_steps(t, args, data, net, backward, opt_step) -> tuple[dict, dict]:
 
     for _ in range(args.warmup):
         step()
+    if on_timed is not None:
+        on_timed()
     t.counters.reset()
     t.barrier()
     split[:] = [0.0, 0.0]

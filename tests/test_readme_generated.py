@@ -40,7 +40,7 @@ def test_coming_from_deepspeed_snippet_runs(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(README.parent), "ZPP_ACCELERATOR": "cpu"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("2 cpu"), out.stdout
-    assert "zero_optimization.overlap_comm=True accepted" in out.stdout, out.stdout
+    assert "zero_optimization.contiguous_gradients=True accepted" in out.stdout, out.stdout
 
 
 def _prose() -> str:

@@ -309,7 +309,7 @@ ACCEPTED_SAMPLES = {
     "zero_optimization.offload_optimizer.fast_init": False,
     "zero_optimization.offload_optimizer.convert_grad_on_cpu": True,
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": 0.8,
-    "zero_optimization.overlap_comm": True, "zero_optimization.contiguous_gradients": True,
+    "zero_optimization.contiguous_gradients": True,
     "zero_optimization.reduce_scatter": True, "zero_optimization.allgather_partitions": True,
     "zero_optimization.use_multi_rank_bucket_allreduce": True, "zero_optimization.stage3_max_live_parameters": 3e7,
     "zero_optimization.stage3_max_reuse_distance": 1e9, "zero_optimization.stage3_model_persistence_threshold": 10**9,
@@ -401,7 +401,7 @@ def test_accepted_keys_logged_once():
             from_deepspeed(ds)
     finally:
         logger.removeHandler(handler)
-    for key in ("wall_clock_breakdown=True", "overlap_comm=True", "contiguous_gradients=False",
+    for key in ("wall_clock_breakdown=True", "contiguous_gradients=False",
                 "round_robin_gradients=True", "stage3_max_live_parameters=123456"):
         assert sum(key in m for m in seen) == 1, (key, seen)
 
@@ -416,7 +416,7 @@ def test_implemented_keys_change_the_config():
         "fp16.min_loss_scale": 0.5, "bf16.enabled": True, "zero_optimization.stage": 3,
         "zero_optimization.zero_quantized_weights": True, "zero_optimization.zero_hpz_partition_size": 2,
         "zero_optimization.zero_quantized_gradients": True, "zero_optimization.reduce_bucket_size": 1000,
-        "zero_optimization.allgather_bucket_size": 1000, "zero_optimization.stage3_prefetch_bucket_size": 0,
+        "zero_optimization.overlap_comm": False, "zero_optimization.allgather_bucket_size": 1000, "zero_optimization.stage3_prefetch_bucket_size": 0,
         "zero_optimization.stage3_param_persistence_threshold": 1e4,
         "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
         "zero_optimization.stage3_gather_fp16_weights_on_model_save": True,

@@ -130,6 +130,7 @@ def test_step_and_checkpoints_name_no_mode():
     import inspect
 
     for what, src in (("ZeroEngine.step", inspect.getsource(ZeroEngine.step)),
+                      ("ZeroEngine._boundary_step", inspect.getsource(ZeroEngine._boundary_step)),
                       ("ZeroEngine._skip_step", inspect.getsource(ZeroEngine._skip_step)),
                       ("ZeroEngine.backward", inspect.getsource(ZeroEngine.backward)),
                       ("save.py", Path(save_mod.__file__).read_text()),

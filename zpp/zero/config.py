@@ -109,6 +109,11 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     """Stages 0-2: elements per communication unit (gradient reduction and parameter
     all-gather run once per unit) (Default: 5e8)."""
+    overlap_comm: bool | None = None
+    """Run each unit's gradient reduction on a communication thread while the backward goes
+    on, waited for at the end of the backward, bit for bit the synchronous result; None: on
+    at stage 3, off below, as DeepSpeed's default. See [Note: overlapped reductions] in
+    :mod:`zpp.zero.reduce.overlap` (Default: None)."""
     allgather_bucket_size: int = 500_000_000
     """Stages 1-2: caps the unit size as well; the unit is ``min`` of both bucket sizes
     (Default: 5e8)."""
@@ -132,11 +137,18 @@ class ZeroConfig:
     leaf_module: LeafModuleConfig = dataclasses.field(default_factory=LeafModuleConfig)
     """Stage 3: the modules gathered whole (Default: DeepSpeed's MoE blocks)."""
 
+    @property
+    def overlaps_reductions(self) -> bool:
+        """``overlap_comm``, its default resolved (on at stage 3)."""
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
     def __post_init__(self) -> None:
         w = "ZeroConfig"
         check_choice(w, "stage", self.stage, STAGES)
         for name in ("quantized_weights", "quantized_gradients", "gather_16bit_weights_on_model_save"):
             check_bool(w, name, getattr(self, name))
+        if self.overlap_comm is not None:
+            check_bool(w, "overlap_comm", self.overlap_comm)
         for name in ("reduce_bucket_size", "allgather_bucket_size", "hpz_partition_size"):
             check_int(w, name, getattr(self, name), lo=1)
         for name in ("prefetch_bucket_size", "param_persistence_threshold"):

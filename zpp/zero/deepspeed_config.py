@@ -248,13 +248,15 @@ def _zero(zero: Mapping[str, Any], notes: list[str]) -> ZeroConfig:
                      ("zero_quantized_gradients", "quantized_gradients"),
                      ("zero_hpz_partition_size", "hpz_partition_size"),
                      ("reduce_bucket_size", "reduce_bucket_size"),
+                     ("overlap_comm", "overlap_comm"),
                      ("allgather_bucket_size", "allgather_bucket_size"),
                      ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
                      ("stage3_param_persistence_threshold", "param_persistence_threshold"),
                      ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"),
                      ("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save")):
-        if ds in zero:
-            zkw[ours] = KEYS[f"{_ZERO}.{ds}"].check(f"{_ZERO}.{ds}", zero[ds])
+        key = KEYS[f"{_ZERO}.{ds}"]
+        if ds in zero and not (zero[ds] is None and key.nullable):
+            zkw[ours] = key.check(f"{_ZERO}.{ds}", zero[ds])
     stage = zkw.get("stage", 0)
     if not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ValueError(f"{WHERE}: zero_optimization.stage={stage!r} must be one of [0, 1, 2, 3]")

@@ -256,8 +256,9 @@ _KEY_LIST: list[DsKey] = [
     _impl(f"{_ZERO}.cpu_offload", "deprecated: true is offload_optimizer.device cpu", _bool, nullable=True),
     _impl(f"{_ZERO}.cpu_offload_param", "deprecated: true is offload_param.device cpu", _bool, nullable=True),
     _impl(f"{_ZERO}.cpu_offload_use_pin_memory", "deprecated: the offloads' pin_memory", _bool, nullable=True),
-    _accept(f"{_ZERO}.overlap_comm", "stage 3 prefetches the next units' all-gathers during compute "
-            "(zpp.prefetch); gradient reduction runs in the backward hooks", _bool, nullable=True),
+    _impl(f"{_ZERO}.overlap_comm", "ZeroConfig.overlap_comm: gradient reductions on a communication thread "
+          "during the backward (default: on at stage 3); the gathers' prefetch is zpp.prefetch", _bool,
+          nullable=True),
     _accept(f"{_ZERO}.contiguous_gradients", "zpp's gradients live in flat per-unit buffers", _bool),
     _accept(f"{_ZERO}.reduce_scatter", "zpp reduce-scatters at stages 2-3, all-reduces below", _bool),
     _accept(f"{_ZERO}.allgather_partitions", "zpp all-gathers", _bool),

@@ -85,8 +85,9 @@ from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.precision import MODEL_DTYPES, cast_module, to_half
 from zpp.zero.prefetch import Prefetcher, PrefetchStats
-from zpp.zero.reduce import build_reduce
-from zpp.zero.strategies import build_comms
+from zpp.zero.reduce import build_reduce, reduce_name
+from zpp.zero.reduce.overlap import LinkWaits, ReductionThread, overlap_world
+from zpp.zero.strategies import build_comms, build_reduce_comms
 from zpp.zero.unit import Unit, UnitComms
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -156,8 +157,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         comms = build_comms(world, config, policy)  # with what the chosen strategies need
         first = next(module.parameters(), None)
         self.offload = Offload.from_config(config, first.device if first is not None else torch.device("cpu"))
-        self.comms = UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy),
-                               reduce=build_reduce(comms, policy), offload=self.offload)
+        self.comms = self._build_unit_comms(comms)
         groups = groups if groups is not None else ParamGroups.all_parameters()
         check_optimizer_args(config, optimizer, groups)  # before anything is sharded
         plan = plan_units(module, policy=policy, config=config, groups=groups, make_unit=self._make_unit)
@@ -195,6 +195,29 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         self.monitor = MonitorMaster(config.monitor, rank=self.job_world.rank)  # see zpp.zero.monitor
 
     # ------------------------------------------------------------------ construction
+    def _build_unit_comms(self, comms) -> UnitComms:
+        """The units' collectives; with ``overlap_comm`` the reduction is built over a
+        duplicate of the world and run on a thread (see [Note: overlapped reductions] in
+        :mod:`zpp.zero.reduce.overlap`). ``overlap_reason`` says why not, when not."""
+        config, policy, world = self.train_config, self.policy, self.world
+        waits = LinkWaits()
+        local = reduce_name(comms, policy) == "local"
+        wanted = config.zero.overlaps_reductions and not local
+        duplicate, self.overlap_reason = overlap_world(world, wanted)
+        if local and config.zero.overlap_comm:
+            self.overlap_reason = "the 1-bit optimizers reduce in their step"
+        reducer = None
+        if duplicate is not None:
+            reduce = build_reduce(build_reduce_comms(duplicate, config, policy), policy)
+            reducer = ReductionThread(reduce, max_numel=config.zero.reduce_bucket_size, clock=waits)
+        else:
+            reduce = build_reduce(comms, policy)
+            if config.zero.overlap_comm and world.rank == 0:
+                log.warning("zpp: overlap_comm=true, but the gradient reductions run in line: %s",
+                            self.overlap_reason)
+        return UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy), reduce=reduce,
+                         offload=self.offload, reducer=reducer, waits=waits)
+
     def _close_earlier_engines(self, module: torch.nn.Module) -> None:
         """See [Note: a module initialized again]."""
         earlier = {}
@@ -231,7 +254,8 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         arguments (also inside lists, tuples and dicts) are cast to fp16 first, as DeepSpeed's."""
         if self.train_config.fp16.enabled and self.train_config.fp16.auto_cast:
             args, kwargs = to_half(args), to_half(kwargs)
-        return self.module(*args, **kwargs)
+        with torch.profiler.record_function("zpp.forward"):
+            return self.module(*args, **kwargs)
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
@@ -250,11 +274,13 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         returned = scaled = loss / gas if gas > 1 and scale_wrt_gas else loss
         for m in self.modes:
             scaled = m.scale_loss(scaled)
-        scaled.backward(retain_graph=retain_graph)
-        if self.policy.reduce_each_micro_step:
-            for u in self.units:
-                if u.trainable and (not u.reduced or u.has_unreduced_grads):
-                    u.reduce_grads()
+        with torch.profiler.record_function("zpp.backward"):
+            scaled.backward(retain_graph=retain_graph)
+            if self.policy.reduce_each_micro_step:
+                for u in self.units:
+                    if u.trainable and (not u.reduced or u.has_unreduced_grads):
+                        u.reduce_grads()
+                self._wait_reductions()
         self._prefetch.end_pass()
         for u in self.units:
             u.reset_micro_step()
@@ -278,6 +304,11 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         self.micro_steps += 1
         if not boundary:
             return
+        with torch.profiler.record_function("zpp.step"):
+            self._boundary_step(lr_kwargs)
+
+    def _boundary_step(self, lr_kwargs: dict | None) -> None:
+        """:meth:`step` at the accumulation boundary."""
         if self.train_config.train_batch_size is not None:
             self.global_samples += self.train_config.train_batch_size
         trained = [u for u in self.units if u.trainable]
@@ -285,6 +316,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
             for u in trained:
                 u.reduce_grads()
                 u.reduced = False
+            self._wait_reductions()
         for m in self.modes:
             m.after_reduce(trained)
         clip, scale = self.train_config.gradient_clipping, self._grad_scale()
@@ -310,6 +342,20 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         self._step_applied = True
         self._count_step()
         self.monitor.write_step(self)
+
+    def _wait_reductions(self) -> None:
+        """Wait for the reductions on the reduction thread (overlap_comm) and add them up."""
+        if self.comms.reducer is None:
+            return
+        for u in self.units:
+            u.finish_reductions()
+        self.comms.reducer.forget_done()
+
+    def link_waits(self) -> dict[str, float]:
+        """Seconds this rank's training thread waited on communication since the last call,
+        per phase (``forward_gather``, ``backward_gather``, ``exact_gather``, ``reduce``,
+        ``publish``); see :class:`~zpp.zero.reduce.overlap.LinkWaits`."""
+        return self.comms.waits.take()
 
     def _grad_scale(self) -> float:
         """The factor the gradients carry from the loss (the fp16 loss scale), 1 without."""
@@ -422,6 +468,9 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         hierarchical mode's syncs: their updates are not applied)."""
         for m in getattr(self, "modes", ()):
             m.close()
+        comms = getattr(self, "comms", None)
+        if comms is not None and comms.reducer is not None:
+            comms.reducer.close()
         if self.policy.shard_parameters and self.hooks.handles:
             self._prefetch.end_pass()
             for u in self.units:

@@ -22,7 +22,7 @@ from zpp.zero.gather import gather_needs
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.reduce import REDUCES, reduce_name
 
-__all__ = ["RESOURCES", "build_comms", "needs"]
+__all__ = ["RESOURCES", "build_comms", "build_reduce_comms", "needs"]
 
 #: resource name -> builder(world): what a strategy may declare in ``needs``
 RESOURCES: dict[str, Callable[[Transport], Any]] = {
@@ -45,5 +45,15 @@ def build_comms(world: Transport, config: TrainConfig, policy: ShardingPolicy) -
     (collective over ``world`` when one of them is built the first time)."""
     bare = Comms(world=world, topology=None, config=config)
     wanted = needs(bare, policy)
+    return Comms(world=world, config=config,
+                 topology=RESOURCES["topology"](world) if "topology" in wanted else None)
+
+
+def build_reduce_comms(world: Transport, config: TrainConfig, policy: ShardingPolicy) -> Comms:
+    """What the gradient reduction alone communicates over, built on ``world`` (the
+    duplicate the reduction thread runs on, see [Note: overlapped reductions] in
+    :mod:`zpp.zero.reduce.overlap`): the resources only it needs."""
+    bare = Comms(world=world, topology=None, config=config)
+    wanted = REDUCES[reduce_name(bare, policy)].needs
     return Comms(world=world, config=config,
                  topology=RESOURCES["topology"](world) if "topology" in wanted else None)

@@ -41,6 +41,7 @@ from zpp.zero.comm_api import GradReduce, Phase, WeightGather
 from zpp.zero.offload import Offload
 from zpp.zero.param_groups import FROZEN
 from zpp.zero.policy import ShardingPolicy
+from zpp.zero.reduce.overlap import LinkWaits, ReductionThread, ThreadReduction
 from zpp.zero.shard import FlatLayout, FlatShard, ShardState
 
 
@@ -59,6 +60,11 @@ class UnitComms:
     """The gradient reduction."""
     offload: Offload = Offload()
     """What lives in host memory (see [Note: offload] in :mod:`zpp.zero.offload`)."""
+    reducer: ReductionThread | None = None
+    """Runs ``reduce`` on a communication thread (``overlap_comm``); None: at once. See [Note:
+    overlapped reductions] in :mod:`zpp.zero.reduce.overlap`."""
+    waits: LinkWaits = dataclasses.field(default_factory=LinkWaits)
+    """Seconds the training thread waited on communication, per phase."""
 
     @property
     def degree(self) -> int:
@@ -115,6 +121,8 @@ class Unit:
         #: ids of the parameters whose gradient arrived in this micro-step (see [Note: stage 3 hooks])
         self.arrived: set[int] = set()
         self.reduced = False
+        #: reductions running on the engine's reduction thread, oldest first (overlap_comm)
+        self.pending: list[ThreadReduction] = []
         #: forward users currently inside a module that needs this unit (stage 3)
         self.forward_users = 0
         #: open GatheredParameters blocks holding this unit gathered (never released meanwhile)
@@ -231,7 +239,8 @@ class Unit:
 
     def _complete(self) -> None:
         started, self.inflight = self.inflight, None
-        started.work.wait()
+        with self.comms.waits.waiting(f"{started.phase.value}_gather", f"unit {self.index}"):
+            started.work.wait()
         started.gather.finish(self.flat, self.flat.full)
         self.flat.attach(self.params)
         access.mark_gathered(self.params)
@@ -241,7 +250,8 @@ class Unit:
         if self.flat.state is not ShardState.GATHERING:
             return
         started, self.inflight = self.inflight, None
-        started.work.wait()
+        with self.comms.waits.waiting(f"{started.phase.value}_gather", f"unit {self.index} (dropped)"):
+            started.work.wait()
         self.flat.full = None
         self.flat.state = ShardState.SHARDED
         param_attrs.set_status(self.params, param_attrs.ZeroParamStatus.NOT_AVAILABLE)
@@ -261,17 +271,32 @@ class Unit:
         the engine's :class:`~zpp.zero.comm_api.GradReduce` into ``flat.grad`` (owned range,
         fp32) and free the ``.grad``. Called once per optimizer step without sharded
         gradients (the micro-steps' gradients summed in ``.grad``), once per micro-step
-        with them; see [Note: stage 1 bytes]."""
-        f, lay = self.flat, self.layout
+        with them; see [Note: stage 1 bytes]. With the engine's reduction thread
+        (``overlap_comm``) the reduction is only started: :meth:`finish_reductions` completes it."""
+        f, lay, comms = self.flat, self.layout, self.comms
         flat = lay.flatten([p.grad for p in self.params], torch.float32, f.device)
         for p in self.params:
             p.grad = None
-        reduced = self.comms.reduce.start(flat, lay).wait()  # see [Note: reductions return work]
+        self.reduced = True
+        if comms.reducer is not None:
+            self.pending.append(comms.reducer.start(flat, lay, f"unit {self.index}"))
+            return
+        with comms.waits.waiting("reduce", f"unit {self.index}"):
+            reduced = comms.reduce.start(flat, lay).wait()  # see [Note: reductions return work]
+        self._fold(reduced)
+
+    def finish_reductions(self) -> None:
+        """Wait for this unit's reductions on the reduction thread, oldest first, and add them
+        to ``flat.grad`` (the order of the synchronous path, so the sums are its bits)."""
+        while self.pending:
+            self._fold(self.pending.pop(0).wait())
+
+    def _fold(self, reduced: torch.Tensor) -> None:
+        f = self.flat
         if f.master is not None and f.master.device != reduced.device:  # offloaded: to the host, overlapped
             self.host_grads.append(self.comms.offload.to_host(reduced))
         else:
             f.add_grad(reduced)
-        self.reduced = True
 
     @property
     def has_unreduced_grads(self) -> bool:
@@ -313,7 +338,8 @@ class Unit:
         if not f.master_aliases_shard:
             f.shard.copy_(f.master.detach())
         if comms.policy.shard_optimizer_state and not self.shards_params and comms.world.world_size > 1:
-            comms.gathers[Phase.EXACT].publish(f).wait()
+            with comms.waits.waiting("publish", f"unit {self.index}"):
+                comms.gathers[Phase.EXACT].publish(f).wait()
         comms.weights_changed(f)
 
     def load_flat(self, values: torch.Tensor, master: torch.Tensor | None = None) -> None:

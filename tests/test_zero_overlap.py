@@ -1,0 +1,160 @@
+"""Gradient reductions overlapped with the backward (``overlap_comm``; [Note: overlapped
+reductions] in zpp/zero/reduce/overlap.py), on a real 2 nodes x 2 gloo world and under mpiexec.
+
+* Exact: every variant trains to the same bits with the reductions on the communication
+  thread as with them in line (losses, master weights, wire bytes), at stages 1-3, with
+  ZeRO++ (qwZ + hpZ + qgZ), fp16 loss scaling and gradient accumulation.
+* Overlapped, shown without a clock: the first reduction of the backward (the last block's)
+  is held until the backward has reached the first block. In line that cannot happen (the
+  backward waits for the reduction), so the same gate must time out there: the check fails
+  when reductions do not overlap.
+* The reason it does not overlap, where it cannot (one rank, the 1-bit optimizers), and the
+  DeepSpeed key's default (on at stage 3, off below).
+"""
+import threading
+
+import pytest
+import torch
+
+import zpp.zero as zz
+from tests.dist import mpi_available, run_world
+from tests.gpt import GPT, GPTConfig
+from tests.test_zero_engine import _batches, train_steps
+from zpp.zero.deepspeed_config import from_deepspeed
+
+STEPS = 4
+ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+VARIANTS = {  # name -> (zero_optimization extras, top-level extras)
+    "stage1": ({"stage": 1}, {}),
+    "stage2": ({"stage": 2}, {}),
+    "stage3": ({"stage": 3}, {}),
+    "stage3-zeropp": ({"stage": 3, **ZEROPP}, {}),
+    "stage3-fp16": ({"stage": 3}, {"fp16": {"enabled": True, "initial_scale_power": 8}}),
+    "stage3-gas2": ({"stage": 3}, {"gradient_accumulation_steps": 2}),
+}
+
+
+def _model(n_layer=2):
+    torch.manual_seed(7)
+    return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=16))
+
+
+def _config(zero, top, overlap):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "zero_optimization": {"stage3_param_persistence_threshold": 0, **zero, "overlap_comm": overlap}}
+    cfg.update(top)
+    return cfg
+
+
+def _run(t, name, overlap):
+    zero, top = VARIANTS[name]
+    engine, _, _, _ = zz.initialize(model=_model(), config=_config(zero, top, overlap), transport=t)
+    t.counters.reset()
+    losses = train_steps(engine, _batches("gpt", t.rank, STEPS * engine.gradient_accumulation_steps()))
+    masters = [u.flat.master.detach().clone() for u in engine.units if u.trainable]
+    threaded = engine.comms.reducer.started if engine.comms.reducer is not None else 0
+    waits = engine.link_waits()
+    out = {"losses": losses, "masters": masters, "bytes": t.counters.snapshot(), "threaded": threaded,
+           "reason": engine.overlap_reason, "waits": waits}
+    engine.close()
+    return out
+
+
+def _exact(t, names):
+    return {name: {overlap: _run(t, name, overlap) for overlap in (False, True)} for name in names}
+
+
+def _check_exact(results, names):
+    for rank, r in enumerate(results):
+        for name in names:
+            inline, overlapped = r[name][False], r[name][True]
+            assert inline["threaded"] == 0 and inline["reason"] == "overlap_comm is off", (name, inline["reason"])
+            assert overlapped["threaded"] > 0 and overlapped["reason"] == "", (name, overlapped["reason"])
+            assert overlapped["losses"] == inline["losses"], (rank, name, overlapped["losses"], inline["losses"])
+            for a, b in zip(overlapped["masters"], inline["masters"], strict=True):
+                assert torch.equal(a, b), (rank, name)
+            assert overlapped["bytes"] == inline["bytes"], (rank, name)
+            assert inline["waits"].get("reduce", 0) > 0, (name, inline["waits"])
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_reductions_are_exact():
+    names = list(VARIANTS)
+    results = run_world(_exact, 4, ranks_per_node=2, args=(names,), timeout=270)
+    _check_exact(results, names)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not mpi_available(), reason="needs mpiexec and mpi4py")
+def test_overlapped_reductions_are_exact_mpi():
+    names = ["stage2", "stage3-zeropp"]
+    results = run_world(_exact, 4, backend="mpi", ranks_per_node=2, args=(names,), timeout=170)
+    _check_exact(results, names)
+
+
+def _gated(t, overlap, hold_s):
+    """Train one step with the first reduction held until the backward reaches block 0."""
+    from zpp.zero.reduce.reduce_scatter import ReduceScatterMean
+
+    reached, first = threading.Event(), [True]
+    plain_start = ReduceScatterMean.start
+
+    def start(self, flat, layout):
+        if first[0]:
+            first[0] = False
+            if not reached.wait(hold_s):
+                raise RuntimeError("the backward did not reach block 0 while the first reduction was held")
+        return plain_start(self, flat, layout)
+
+    ReduceScatterMean.start = start
+    model = _model(n_layer=3)
+    model.blocks[0].register_full_backward_pre_hook(lambda *_: reached.set())
+    engine, _, _, _ = zz.initialize(model=model, config=_config({"stage": 3}, {}, overlap), transport=t)
+    try:
+        train_steps(engine, _batches("gpt", t.rank, 1))
+    except RuntimeError as exc:
+        return f"error: {exc}"
+    finally:
+        engine.close()
+    return "trained"
+
+
+@pytest.mark.timeout(120)
+def test_reductions_run_while_the_backward_continues():
+    assert run_world(_gated, 2, args=(True, 30.0), timeout=100) == ["trained"] * 2
+    # the same gate in line: the backward waits for the held reduction, which times out
+    out = run_world(_gated, 2, args=(False, 3.0), timeout=100)
+    assert all("did not reach block 0" in o for o in out), out
+
+
+def _reasons(t):
+    out = {}
+    for name, cfg in (("stage3-default", {"zero_optimization": {"stage": 3}}),
+                      ("stage2-default", {"zero_optimization": {"stage": 2}}),
+                      ("onebit", {"zero_optimization": {"stage": 0, "overlap_comm": True},
+                                  "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}})):
+        cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **cfg}
+        engine, _, _, _ = zz.initialize(model=_model(1), config=cfg, transport=t)
+        out[name] = (engine.comms.reducer is not None, engine.overlap_reason)
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_when_reductions_overlap():
+    r = run_world(_reasons, 2, timeout=100)[0]
+    assert r["stage3-default"] == (True, "")
+    assert r["stage2-default"] == (False, "overlap_comm is off")  # DeepSpeed's default below stage 3
+    assert r["onebit"] == (False, "the 1-bit optimizers reduce in their step")
+    one = run_world(_reasons, 1, timeout=100)[0]
+    assert one["stage3-default"] == (False, "one rank: nothing to overlap")
+
+
+def test_overlap_comm_key():
+    assert from_deepspeed({"zero_optimization": {"stage": 3}}).zero.overlaps_reductions
+    assert not from_deepspeed({"zero_optimization": {"stage": 2}}).zero.overlaps_reductions
+    assert from_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": True}}).zero.overlaps_reductions
+    assert not from_deepspeed({"zero_optimization": {"stage": 3, "overlap_comm": False}}).zero.overlaps_reductions
+    with pytest.raises(ValueError, match="overlap_comm"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "overlap_comm": "yes"}})

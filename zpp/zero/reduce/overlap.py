@@ -1,0 +1,181 @@
+"""Gradient reductions overlapped with the backward: a communication thread per engine.
+
+[Note: overlapped reductions]
+With ``zero_optimization.overlap_comm`` (DeepSpeed's key; on by default at stage 3, off below,
+as DeepSpeed) a unit's reduction is handed to one worker thread as soon as the backward has
+delivered the unit's gradients, and the backward goes on with the units before it while the
+reduction is on the link. The engine waits for every reduction at the end of the backward
+(``Unit.finish_reductions``, before the gradients are read) in the order they started.
+
+Exact by construction: the worker runs the same :class:`~zpp.zero.comm_api.GradReduce` (same
+class, same settings, same tune plan) over a duplicate of the world with a communicator of
+its own (:meth:`~zpp.comm.transport.Transport.duplicate`; qgZ's topology is built again over
+it), so its collectives never interleave with the gathers the backward runs meanwhile, and
+the ring or all-to-all order, hence every bit of the result, is the synchronous path's. One
+worker runs the reductions in the order they started, the same order on every rank (the
+backward's order), as any collective must be.
+
+Bounded: at most :attr:`ReductionThread.max_inflight` reductions (default 2: one on the
+link, one queued behind it, enough to keep a link busy) and at most ``reduce_bucket_size``
+gradient elements (DeepSpeed's meaning of that key under ``overlap_comm``) are started and
+not yet done; a start past either bound first waits for the oldest. Each holds the unit's
+flat fp32 gradient until it is done, which is the memory overlap costs.
+
+Not overlapped (run at the start, as before, with the reason logged once and kept in
+``engine.overlap_reason``): one rank; a transport that cannot run collectives on a second
+thread (MPI without ``MPI_THREAD_MULTIPLE``: ``Transport.thread_safe``); a world that
+cannot be duplicated (the hierarchical mode's intra-node world on torch.distributed, whose
+``new_group`` needs every rank of the job).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from zpp.comm.transport import Transport
+from zpp.zero.comm_api import GradReduce, Reduction
+
+if TYPE_CHECKING:
+    from zpp.zero.shard import FlatLayout
+
+#: reductions started and not done, at most (see [Note: overlapped reductions])
+DEFAULT_MAX_INFLIGHT = 2
+
+
+class ThreadReduction(Reduction):
+    """A reduction running on the :class:`ReductionThread`; ``wait()`` blocks until it is done
+    and returns its result (or raises what the worker raised: a transport fault, a timeout)."""
+
+    __slots__ = ("future", "numel", "clock", "what")
+
+    def __init__(self, future: concurrent.futures.Future, numel: int, clock: LinkWaits, what: str) -> None:
+        super().__init__(torch.empty(0))
+        self.future = future
+        self.numel = numel
+        self.clock = clock
+        self.what = what
+
+    def wait(self) -> torch.Tensor:
+        if not self.future.done():
+            with self.clock.waiting("reduce", self.what):
+                self.future.result()
+        return self.future.result()
+
+
+@dataclasses.dataclass
+class LinkWaits:
+    """Seconds the training thread spent blocked on communication, per phase, since the last
+    :meth:`take`: ``forward_gather`` / ``backward_gather`` (waiting for a unit's weights),
+    ``reduce`` (waiting for gradient reductions: the whole reduction when it runs at once,
+    the rest of it when overlapped), ``publish`` (stages 1-2: the updated weights' gather).
+    The bench prints them per step (``perf/train_cluster.py``).
+
+    Each wait is also a ``torch.profiler.record_function`` span named ``zpp.wait.<phase>
+    <what>`` (and each overlapped reduction ``zpp.reduce <what>`` on its thread), so a
+    ``torch.profiler`` trace of a step shows the communication beside the compute
+    (``perf/step_trace.py``)."""
+
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+
+    def add(self, phase: str, s: float) -> None:
+        self.seconds[phase] += s
+
+    @contextlib.contextmanager
+    def waiting(self, phase: str, what: str):
+        """Book the time inside the block as a wait of ``phase`` (``what``: e.g. "unit 3")."""
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"zpp.wait.{phase} {what}"):
+                yield
+        finally:
+            self.add(phase, time.perf_counter() - t0)
+
+    def take(self) -> dict[str, float]:
+        """The seconds per phase so far, and start again from zero."""
+        out, self.seconds = dict(self.seconds), collections.defaultdict(float)
+        return out
+
+
+class ReductionThread:
+    """Runs ``reduce`` (built over a duplicate of the world) on one worker thread; see
+    [Note: overlapped reductions].
+
+    Args:
+        reduce: the gradient reduction, built over ``comms`` (the duplicate).
+        max_inflight: reductions started and not done, at most (>= 1).
+        max_numel: gradient elements started and not done, at most (one reduction larger than
+            this still runs, alone).
+        clock: where the time the training thread waits is booked.
+    """
+
+    def __init__(self, reduce: GradReduce, *, max_inflight: int = DEFAULT_MAX_INFLIGHT,
+                 max_numel: int, clock: LinkWaits) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"ReductionThread: max_inflight={max_inflight} must be >= 1")
+        self.reduce = reduce
+        self.max_inflight = max_inflight
+        self.max_numel = max_numel
+        self.clock = clock
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zpp-reduce")
+        self._inflight: collections.deque[ThreadReduction] = collections.deque()
+        #: reductions run on the worker so far (the bench and tests read it)
+        self.started = 0
+
+    def start(self, flat: torch.Tensor, layout: FlatLayout, what: str = "") -> ThreadReduction:
+        """Hand ``flat`` (which the worker then owns) to the worker, after waiting for the
+        oldest reductions while a bound would be passed. ``what`` names it in traces."""
+        numel = flat.numel()
+        while self._inflight and (len(self._inflight) >= self.max_inflight
+                                  or sum(r.numel for r in self._inflight) + numel > self.max_numel):
+            oldest = self._inflight.popleft()
+            if not oldest.future.done():
+                with self.clock.waiting("reduce", f"{oldest.what} (bound)"):
+                    concurrent.futures.wait([oldest.future])
+
+        def run() -> torch.Tensor:
+            with torch.profiler.record_function(f"zpp.reduce {what}"):
+                return self.reduce.start(flat, layout).wait()
+
+        future = self._pool.submit(run)
+        r = ThreadReduction(future, numel, self.clock, what)
+        self._inflight.append(r)
+        self.started += 1
+        return r
+
+    def forget_done(self) -> None:
+        """Forget the reductions that are done (their owners wait for their results)."""
+        while self._inflight and self._inflight[0].future.done():
+            self._inflight.popleft()
+
+    def close(self) -> None:
+        """Let the running reductions finish and stop the worker."""
+        self._inflight.clear()
+        self._pool.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return (f"ReductionThread({self.reduce!r}, max_inflight={self.max_inflight}, "
+                f"max_numel={self.max_numel})")
+
+
+def overlap_world(world: Transport, wanted: bool) -> tuple[Transport | None, str]:
+    """A duplicate of ``world`` for the reduction thread and "" when the reductions can be
+    overlapped; else None and why not (see [Note: overlapped reductions]). Collective over
+    ``world`` when it duplicates (every rank decides alike: the reasons depend on the
+    configuration and the transport, the same on every rank)."""
+    if not wanted:
+        return None, "overlap_comm is off"
+    if world.world_size == 1:
+        return None, "one rank: nothing to overlap"
+    if not world.thread_safe:
+        return None, (f"{world.name} cannot run collectives on a second thread (MPI without "
+                      "MPI_THREAD_MULTIPLE)")
+    try:
+        return world.duplicate(), ""
+    except NotImplementedError as exc:
+        return None, f"the world cannot be duplicated ({exc})"
