@@ -139,9 +139,10 @@ def _run_variant(t, name, args, data):
 
 def _trace_step(t, args, data, engine) -> dict:
     """One more step, under ``torch.profiler`` on rank 0: its chrome trace to ``args.trace``
-    (compute ops beside zpp's spans: ``zpp.forward/backward/step``, ``zpp.wait.<phase>``,
-    ``zpp.reduce`` on the reduction thread) and its zpp spans as a text timeline to
-    ``args.trace`` + ".txt"; returns where they are."""
+    (the compute ops, and zpp's spans: ``zpp.forward/backward/step``, ``zpp.wait.<phase>``,
+    and ``zpp.reduce`` on the reduction thread, which the profiler does not see and which is
+    added from the engine's own record, aligned on ``zpp.forward``) and zpp's spans as a text
+    timeline to ``args.trace`` + ".txt"; returns where they are."""
     g = torch.Generator().manual_seed(1000 + t.rank)
     x, y = data.batch(args.batch, args.block, g)
     t.barrier()
@@ -152,18 +153,30 @@ def _trace_step(t, args, data, engine) -> dict:
         return {}
     from torch.profiler import ProfilerActivity, profile
 
+    waits = engine.comms.waits
+    waits.spans = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.backward(engine(x, y))
         engine.step()
     t.barrier()
+    spans, waits.spans = sorted(waits.spans, key=lambda s: s[1]), None
     prof.export_chrome_trace(args.trace)
-    spans = sorted((e.time_range.start, e.time_range.end, e.thread, e.name) for e in prof.events()
-                   if e.name.startswith("zpp."))
-    t0 = spans[0][0] if spans else 0
-    threads = {th: i for i, th in enumerate(dict.fromkeys(s[2] for s in spans))}
-    lines = [f"# one training step on rank 0 ({args.model} {args.n_layer} x {args.n_embd}); start and length "
-             "in seconds; thread 0 trains, thread 1 reduces (overlap_comm)"]
-    lines += [f"{(s - t0) / 1e6:9.3f} {(e - s) / 1e6:8.3f}  thread {threads[th]}  {name}" for s, e, th, name in spans]
+    with open(args.trace) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    fwd = next(e for e in events if e.get("name") == "zpp.forward" and e.get("ph") == "X")
+    offset_us = fwd["ts"] - next(s[1] for s in spans if s[0] == "zpp.forward") * 1e6
+    main = fwd["tid"]
+    events += [{"ph": "X", "name": name, "cat": "zpp", "pid": fwd["pid"], "tid": "zpp-reduce thread",
+                "ts": s * 1e6 + offset_us, "dur": (e - s) * 1e6} for name, s, e, th in spans if th != "MainThread"]
+    events.append({"ph": "M", "name": "thread_name", "pid": fwd["pid"], "tid": main, "args": {"name": "training"}})
+    with open(args.trace, "w") as f:
+        json.dump(trace, f)
+    t0 = spans[0][1]
+    threads = {th: i for i, th in enumerate(dict.fromkeys(s[3] for s in spans))}
+    lines = [f"# one training step on rank 0 ({args.model} {args.n_layer} x {args.n_embd}, {args.variants}); "
+             "start and length in seconds; " + ", ".join(f"thread {i}: {th}" for th, i in threads.items())]
+    lines += [f"{s - t0:9.3f} {e - s:8.3f}  thread {threads[th]}  {name}" for name, s, e, th in spans]
     with open(args.trace + ".txt", "w") as f:
         f.write("\n".join(lines) + "\n")
     return {"chrome": args.trace, "text": args.trace + ".txt"}

@@ -162,6 +162,9 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         check_optimizer_args(config, optimizer, groups)  # before anything is sharded
         plan = plan_units(module, policy=policy, config=config, groups=groups, make_unit=self._make_unit)
         self.units: tuple[Unit, ...] = plan.units
+        if self.comms.reducer is not None:  # see [Note: overlapped reductions]: two units' gradients
+            largest = max((u.layout.padded_numel for u in self.units if u.trainable), default=0)
+            self.comms.reducer.max_numel = min(config.zero.reduce_bucket_size, 2 * largest)
         self._prefetch = Prefetcher(self.units, bucket_numel=config.zero.prefetch_bucket_size,
                                     enabled=policy.shard_parameters and config.zpp.prefetch, world=world)
         self.hooks = EngineHooks(module, plan, policy=policy, prefetcher=self._prefetch)
@@ -254,7 +257,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         arguments (also inside lists, tuples and dicts) are cast to fp16 first, as DeepSpeed's."""
         if self.train_config.fp16.enabled and self.train_config.fp16.auto_cast:
             args, kwargs = to_half(args), to_half(kwargs)
-        with torch.profiler.record_function("zpp.forward"):
+        with self.comms.waits.span("zpp.forward"):
             return self.module(*args, **kwargs)
 
     def _require_optimizer(self, what: str) -> None:
@@ -274,7 +277,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         returned = scaled = loss / gas if gas > 1 and scale_wrt_gas else loss
         for m in self.modes:
             scaled = m.scale_loss(scaled)
-        with torch.profiler.record_function("zpp.backward"):
+        with self.comms.waits.span("zpp.backward"):
             scaled.backward(retain_graph=retain_graph)
             if self.policy.reduce_each_micro_step:
                 for u in self.units:
@@ -304,7 +307,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         self.micro_steps += 1
         if not boundary:
             return
-        with torch.profiler.record_function("zpp.step"):
+        with self.comms.waits.span("zpp.step"):
             self._boundary_step(lr_kwargs)
 
     def _boundary_step(self, lr_kwargs: dict | None) -> None:

@@ -15,11 +15,13 @@ the ring or all-to-all order, hence every bit of the result, is the synchronous 
 worker runs the reductions in the order they started, the same order on every rank (the
 backward's order), as any collective must be.
 
-Bounded: at most :attr:`ReductionThread.max_inflight` reductions (default 2: one on the
-link, one queued behind it, enough to keep a link busy) and at most ``reduce_bucket_size``
-gradient elements (DeepSpeed's meaning of that key under ``overlap_comm``) are started and
-not yet done; a start past either bound first waits for the oldest. Each holds the unit's
-flat fp32 gradient until it is done, which is the memory overlap costs.
+Bounded by memory: the reductions started and not yet done hold at most ``min(
+reduce_bucket_size, 2 x the largest unit's gradient)`` elements (DeepSpeed's meaning of
+``reduce_bucket_size`` under ``overlap_comm``; the second term keeps the cost at two units'
+gradients, the stage-3 memory formula's transient); a start past it first waits for the
+oldest. Each holds the unit's flat fp32 gradient until it is done. A bound in count
+instead (first tried: 2 in flight) stalled the backward on the 25M GPT's 33 small units at
+100 Mbit (0.8 s of its 1.4 s backward, perf/results/step_trace-zeropp-100mbit.json.txt).
 
 Not overlapped (run at the start, as before, with the reason logged once and kept in
 ``engine.overlap_reason``): one rank; a transport that cannot run collectives on a second
@@ -33,6 +35,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -44,8 +47,9 @@ from zpp.zero.comm_api import GradReduce, Reduction
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatLayout
 
-#: reductions started and not done, at most (see [Note: overlapped reductions])
-DEFAULT_MAX_INFLIGHT = 2
+#: reductions started and not done, at most (see [Note: overlapped reductions]): the memory
+#: bound decides; this only caps the queue of tiny units
+DEFAULT_MAX_INFLIGHT = 64
 
 
 class ThreadReduction(Reduction):
@@ -76,22 +80,36 @@ class LinkWaits:
     the rest of it when overlapped), ``publish`` (stages 1-2: the updated weights' gather).
     The bench prints them per step (``perf/train_cluster.py``).
 
-    Each wait is also a ``torch.profiler.record_function`` span named ``zpp.wait.<phase>
-    <what>`` (and each overlapped reduction ``zpp.reduce <what>`` on its thread), so a
-    ``torch.profiler`` trace of a step shows the communication beside the compute
-    (``perf/step_trace.py``)."""
+    Each wait is also a span named ``zpp.wait.<phase> <what>``, as are the engine's
+    ``zpp.forward``, ``zpp.backward`` and ``zpp.step`` and each overlapped reduction on its
+    thread (``zpp.reduce <what>``): a ``torch.profiler.record_function`` (so a profiler trace
+    shows them beside the compute ops), and, while :attr:`spans` is a list, an entry
+    ``(name, start, end, thread name)`` there in ``time.perf_counter`` seconds (the profiler
+    does not see the reduction thread, which predates it): ``perf/train_bench.py --trace``."""
 
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    spans: list[tuple[str, float, float, str]] | None = None
 
     def add(self, phase: str, s: float) -> None:
         self.seconds[phase] += s
+
+    @contextlib.contextmanager
+    def span(self, name: str):
+        """A named span (see above), not booked as a wait."""
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.record_function(name):
+                yield
+        finally:
+            if self.spans is not None:
+                self.spans.append((name, t0, time.perf_counter(), threading.current_thread().name))
 
     @contextlib.contextmanager
     def waiting(self, phase: str, what: str):
         """Book the time inside the block as a wait of ``phase`` (``what``: e.g. "unit 3")."""
         t0 = time.perf_counter()
         try:
-            with torch.profiler.record_function(f"zpp.wait.{phase} {what}"):
+            with self.span(f"zpp.wait.{phase} {what}"):
                 yield
         finally:
             self.add(phase, time.perf_counter() - t0)
@@ -110,7 +128,7 @@ class ReductionThread:
         reduce: the gradient reduction, built over ``comms`` (the duplicate).
         max_inflight: reductions started and not done, at most (>= 1).
         max_numel: gradient elements started and not done, at most (one reduction larger than
-            this still runs, alone).
+            this still runs, alone); the engine sets it once its units are planned.
         clock: where the time the training thread waits is booked.
     """
 
@@ -139,7 +157,7 @@ class ReductionThread:
                     concurrent.futures.wait([oldest.future])
 
         def run() -> torch.Tensor:
-            with torch.profiler.record_function(f"zpp.reduce {what}"):
+            with self.clock.span(f"zpp.reduce {what}"):
                 return self.reduce.start(flat, layout).wait()
 
         future = self._pool.submit(run)
