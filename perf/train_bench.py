@@ -56,6 +56,10 @@ VARIANTS = {
     # the reductions in line (overlap_comm is on by default at stage 3): the side-by-side rows
     "zero3-inline": {"stage": 3, "overlap_comm": False},
     "zero3-zeropp-inline": {"stage": 3, **_ZEROPP, "overlap_comm": False},
+    # the weight gathers in two hops (zpp.hierarchical_gather: ZeRO++'s default) or in one
+    "zero3-2hop": {"stage": 3, "zpp": {"hierarchical_gather": True}},
+    "zero3-zeropp-1hop": {"stage": 3, **_ZEROPP, "zpp": {"hierarchical_gather": False}},
+    "zero3-zeropp-1hop-inline": {"stage": 3, **_ZEROPP, "overlap_comm": False, "zpp": {"hierarchical_gather": False}},
 }
 DEFAULT_VARIANTS = [v for v in VARIANTS if not v.startswith("deepspeed")]
 LR = 1e-3
@@ -65,6 +69,7 @@ def _zero_section(name, t):
     from zpp.comm.topology import topology_of
 
     z = dict(VARIANTS[name])
+    z.pop("zpp", None)  # zpp's own keys: _build puts them in the "zpp" section
     if z.get("zero_hpz_partition_size") == -1:
         z["zero_hpz_partition_size"] = topology_of(t).ranks_per_node
     return z
@@ -104,7 +109,8 @@ def _build(name, model, t, args):
            "zero_optimization": {**_zero_section(name, t),
                                  "stage3_param_persistence_threshold": args.persistence_threshold},
            # the Hugging Face model keeps zpp's default units (its GPT2Block, from _no_split_modules)
-           "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel if args.model == "gpt" else None}}
+           "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel if args.model == "gpt" else None,
+                   **VARIANTS[name].get("zpp", {})}}
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     return engine, engine.backward, engine.step, engine
 

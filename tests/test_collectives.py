@@ -12,9 +12,12 @@ from tests.dist import run_world
 from tests.onebit_sim import OneBitSim
 from zpp.comm.collectives import (
     effective_group_size,
+    hierarchical_all_gather_async,
     hierarchical_reduce_scatter,
     quantized_all_gather,
+    quantized_all_gather_async,
     quantized_reduce_scatter,
+    two_hop,
 )
 from zpp.comm.onebit import OneBitAllReduce
 from zpp.comm.topology import topology_of
@@ -64,6 +67,43 @@ def _check_quantized_all_gather(t):
         if peers:
             want = 32 // bits
             assert p.wire_bytes / q.wire_bytes == pytest.approx(want / (1 + want * 4 / 2048 / 4), rel=1e-9)
+    return True
+
+
+def _check_hierarchical_all_gather(t):
+    """The two-hop all-gather gives the world all-gather's bytes exactly (plain, and under
+    qwZ the flat qwZ's), and books what its hops send: with N nodes of R ranks, (N - 1) n
+    inter-node and (R - 1) N n intra-node bytes per rank, one call; a world without two
+    levels is the plain all-gather."""
+    topo = topology_of(t)
+    N, R = topo.nodes, topo.ranks_per_node
+    for numel, dtype in ((1, torch.float32), (1000, torch.bfloat16), (4099, torch.float32), (0, torch.float32)):
+        x = _rand(numel, t.rank, 3, dtype)
+        out = torch.full((t.world_size * numel,), float("nan"), dtype=dtype)
+        t.counters.reset()
+        hierarchical_all_gather_async(out, x, topology=topo).wait()
+        assert torch.equal(out.view(t.world_size, -1), _gather(t, x)), (numel, dtype)
+        snap = t.counters.snapshot()
+        if two_hop(topo):
+            h = snap["hierarchical_all_gather"]
+            b = numel * x.element_size()
+            assert (h.calls, h.inter_bytes, h.intra_bytes) == (1, (N - 1) * b, (R - 1) * N * b), (numel, h)
+            assert h.logical_bytes == t.world_size * b
+        else:
+            assert "hierarchical_all_gather" not in snap, snap
+    n = 1 << 14
+    shard = _rand(n, t.rank, 9)
+    flat, hier = torch.empty(t.world_size * n), torch.empty(t.world_size * n)
+    for bits in (8, 4):
+        quantized_all_gather(flat, shard, transport=t, bits=bits, group_size=512)
+        t.counters.reset()
+        quantized_all_gather_async(hier, shard, transport=t, bits=bits, group_size=512, topology=topo).wait()
+        assert torch.equal(hier, flat), bits
+        q = t.counters.snapshot()["quantized_all_gather"]
+        per_rank = zq.quantized_nbytes(n, bits, 512)
+        want = ((N - 1) * per_rank, (R - 1) * N * per_rank) if two_hop(topo) else (
+            (t.world_size - R) * per_rank, (R - 1) * per_rank)
+        assert (q.calls, q.inter_bytes, q.intra_bytes) == (1, *want), (bits, q)
     return True
 
 
@@ -212,7 +252,8 @@ def _check_onebit(t):
 
 
 def _all_checks(t):
-    return (_check_quantized_all_gather(t), _check_quantized_reduce_scatter(t), _check_onebit(t))
+    return (_check_quantized_all_gather(t) and _check_hierarchical_all_gather(t), _check_quantized_reduce_scatter(t),
+            _check_onebit(t))
 
 
 @pytest.mark.timeout(400)

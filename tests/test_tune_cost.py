@@ -40,15 +40,17 @@ def test_stages_1_2_by_hand():
 
 def test_zeropp_by_hand():
     inter, intra, _ = _bytes("zero3-zeropp", [UnitShape(8192)])
-    # qwZ: 2048 int8 codes + one fp32 scale (group 2048) to each peer
+    # qwZ: 2048 int8 codes + one fp32 scale (group 2048) per rank, in two hops (hpZ and qgZ
+    # have the engine build the topology): to the remote peer of equal local rank, then the
+    # node's two shards to the local peer
     q = 2048 + 4
     # hpZ: the backward gathers the node's secondary shards, 8192 / 2 elements, to the local peer
     hpz = 4096 * 4
     # qgZ: hop 1 sends half of W * chunk = 8192 int4 codes (4096 B) and 4 scales (16 B) to the
     # local peer; hop 2 half of N * chunk = 4096 codes (2048 B) and 2 scales to the remote peer
     qgz_intra, qgz_inter = 4096 // 2 + 16 // 2, 2048 // 2 + 8 // 2
-    assert inter == 2 * q + qgz_inter + 8
-    assert intra == q + hpz + qgz_intra + 4
+    assert inter == q + qgz_inter + 8
+    assert intra == 2 * q + hpz + qgz_intra + 4
 
 
 def test_one_rank_per_node_and_one_node():

@@ -311,3 +311,50 @@ def test_hpz_degree_must_be_the_ranks_per_node():
     """hpZ's check of its degree against the topology it needs, raised on every rank."""
     for msg in run_world(_hpz_wrong_degree, 4, ranks_per_node=2, timeout=90):
         assert msg is not None and "zero_hpz_partition_size=4" in msg and "ranks per node (2)" in msg, msg
+
+
+def _two_hop_gathers(t):
+    """Each variant with its world gathers in two hops and in one (and ZeRO++ with the
+    default): losses, masters, and the counted calls and bytes per op."""
+    zeropp = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+    out = {}
+    for name, zero, settings in (("stage3", {"stage": 3}, (False, True)), ("stage2", {"stage": 2}, (False, True)),
+                                 ("zeropp", {"stage": 3, **zeropp}, (False, True, None))):
+        for hier in settings:
+            cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+                   "zero_optimization": {**zero, "stage3_param_persistence_threshold": 0},
+                   "zpp": {"check_metadata": False, "hierarchical_gather": hier}}
+            engine, _, _, _ = zz.initialize(model=_build("gpt", t.rank), config=cfg, transport=t)
+            t.counters.reset()
+            losses = train_steps(engine, _batches("gpt", t.rank, 3))
+            ops = {k: (v.calls, v.inter_bytes, v.intra_bytes) for k, v in t.counters.snapshot().items()}
+            masters = [u.flat.master.detach().clone() for u in engine.units]
+            out[name, hier] = (losses, masters, ops)
+            engine.close()
+    return out
+
+
+def test_two_hop_gathers_are_exact_with_fewer_inter_node_bytes():
+    """zpp.hierarchical_gather: the same training to the bit (an all-gather moves bytes, it
+    does not round them); each world gather's inter-node bytes go from (W - R) to (N - 1)
+    shards per rank (half, on 2 nodes x 2) and its calls stay one each; the rest is
+    unchanged. ZeRO++ (hpZ, qgZ: the topology is built anyway) gathers in two hops by
+    default."""
+    none = (0, 0, 0)
+    for rank, r in enumerate(run_world(_two_hop_gathers, 4, ranks_per_node=2, timeout=150)):
+        for name, flat_op, hier_op in (("stage3", "all_gather", "hierarchical_all_gather"),
+                                       ("stage2", "all_gather", "hierarchical_all_gather"),
+                                       ("zeropp", "quantized_all_gather", "quantized_all_gather")):
+            (l1, m1, ops1), (l2, m2, ops2) = r[name, False], r[name, True]
+            assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True)), (rank, name)
+            if flat_op == hier_op:  # the qwZ gathers keep their name
+                assert ops2[hier_op][0] == ops1[flat_op][0] and 2 * ops2[hier_op][1] == ops1[flat_op][1], (
+                    rank, name, ops1, ops2)
+            else:  # every world gather moved from all_gather (what stays there is not a weight gather)
+                moved = ops1[flat_op][0] - ops2.get(flat_op, none)[0]
+                assert moved > 0 and ops2[hier_op][0] == moved, (rank, name, ops1, ops2)
+                assert 2 * ops2[hier_op][1] == ops1[flat_op][1] - ops2.get(flat_op, none)[1], (rank, name, ops1, ops2)
+            others = {k for k in ops1 if k not in (flat_op, hier_op)}
+            assert all(ops1[k] == ops2[k] for k in others), (rank, name, ops1, ops2)
+        default, on = r["zeropp", None], r["zeropp", True]
+        assert default[0] == on[0] and default[2] == on[2], (rank, default[2], on[2])

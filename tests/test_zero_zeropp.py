@@ -124,12 +124,16 @@ def test_zeropp_convergence_and_bytes():
     assert plain["all_gather"] > 0 and plain["reduce_scatter"] > 0
     # hpZ: the backward all-gathers stay inside the node
     assert zpp.get("all_gather", 0) == 0, zpp
-    # qwZ: int8 forward gather = a quarter of the fp32 forward gather, plus scales
-    assert 0.24 < zpp["quantized_all_gather"] / (plain["all_gather"] / 2) < 0.26, (zpp, plain)
+    # qwZ: int8 forward gather = a quarter of the fp32 forward gather, plus scales, and in two
+    # hops (the topology is built for hpZ and qgZ) half of that crosses nodes
+    assert 0.12 < zpp["quantized_all_gather"] / (plain["all_gather"] / 2) < 0.13, (zpp, plain)
     # qgZ: int4 over one inter-node hop, well under the fp32 reduce-scatter's bytes
     assert zpp["quantized_reduce_scatter"] < plain["reduce_scatter"] / 8, (zpp, plain)
     assert sum(plain.values()) / sum(zpp.values()) > 5
-    assert r["hpZ-short-bytes"].get("all_gather", 0) < plain["all_gather"] / 2 * 1.01  # only the forward crosses
+    # hpZ: only the forward gather crosses nodes, in two hops: half of plain's forward
+    hpz = r["hpZ-short-bytes"]
+    assert hpz.get("all_gather", 0) == 0, hpz
+    assert hpz["hierarchical_all_gather"] == pytest.approx(plain["all_gather"] / 4, rel=0.01), (hpz, plain)
     assert "quantized_reduce_scatter" in r["qgZ-short-bytes"] and "quantized_all_gather" in r["qwZ-short-bytes"]
     print("\nper-step loss gap to plain stage 3 over the first steps, largest over ranks: " + ", ".join(
         f"{name} {max(max(_gaps(res, name)) for res in results):.2e}" for name, _ in COMBINATIONS))

@@ -2,7 +2,13 @@
 
 * :func:`quantized_all_gather` (qwZ): quantize the shard, all-gather payload and scales,
   dequantize. Plain counterpart: ``Transport.all_gather``. :func:`quantized_all_gather_async`
-  starts it and dequantizes at ``wait()``.
+  starts it and dequantizes at ``wait()``; with a ``topology`` its all-gathers run in two
+  hops (:func:`hierarchical_all_gather_async`).
+* :func:`hierarchical_all_gather_async`: the all-gather in two hops, inter-node among the
+  ranks of equal local rank, then intra-node, so each node's link carries every other
+  node's shards once per rank of the node (``(N - 1) / N`` of the buffer per rank), not once
+  per ring pass (``(W - 1) / W`` of it on gloo's and MPICH's ring); the result is the
+  all-gather's, byte for byte.
 * :func:`quantized_reduce_scatter` (qgZ): two all-to-all hops (intra-node, then inter-node)
   over int4/int8 payloads with a swizzled layout and a fused dequantize-sum-requantize in
   between. Plain counterparts: :func:`hierarchical_reduce_scatter` (the same two hops in full
@@ -32,6 +38,7 @@ from zpp.quant.types import DEFAULT_GROUP_SIZE, check_params
 
 __all__ = [
     "effective_group_size",
+    "hierarchical_all_gather_async",
     "hierarchical_reduce_scatter",
     "quantized_all_gather",
     "quantized_all_gather_async",
@@ -64,6 +71,44 @@ def quantized_all_gather(
     return out
 
 
+def two_hop(topology) -> bool:
+    """Whether :func:`hierarchical_all_gather_async` over ``topology`` differs from the flat
+    all-gather (more than one node, more than one rank per node)."""
+    return topology is not None and topology.nodes > 1 and topology.ranks_per_node > 1
+
+
+def hierarchical_all_gather_async(out: torch.Tensor, inp: torch.Tensor, *, topology,
+                                  name: str = "hierarchical_all_gather") -> Work:
+    """``out`` (``world_size * inp.numel()`` elements) receives every rank's ``inp`` in rank
+    order, as ``topology.world.all_gather`` gives, in two hops: the all-gather over
+    ``topology.inter`` (this rank's local rank on every node) starts now; ``wait()`` waits
+    for it, runs the all-gather of its result over ``topology.intra`` and copies the
+    ``(local, node)`` blocks into rank order (ranks are node-major). Booked under ``name``
+    as one call (the intra hop, at ``wait()``, adds its bytes). Over a topology without two
+    levels it is the world's all-gather."""
+    world = topology.world
+    if not two_hop(topology):
+        return world.all_gather_async(out, inp)
+    R, N, n = topology.ranks_per_node, topology.nodes, inp.numel()
+    if out.numel() != world.world_size * n:
+        raise ValueError(f"{name}: out has {out.numel()} elements, expected world_size*inp = "
+                         f"{world.world_size}*{n}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous ({out.shape=} {out.stride()=})")
+    first = torch.empty(N * n, dtype=inp.dtype, device=inp.device)
+    with world.counters.collective(name, out.numel() * out.element_size()):
+        work = topology.inter.all_gather_async(first, inp.reshape(-1))
+
+    def finish() -> None:
+        work.wait()
+        second = torch.empty(R * N * n, dtype=inp.dtype, device=inp.device)
+        with world.counters.collective(name, 0, continued=True):
+            topology.intra.all_gather(second, first)
+        out.view(N, R, n).copy_(second.view(R, N, n).transpose(0, 1))
+
+    return Work(name, finish, asynchronous=work.asynchronous)
+
+
 def quantized_all_gather_async(
     out: torch.Tensor,
     shard: torch.Tensor,
@@ -71,11 +116,14 @@ def quantized_all_gather_async(
     transport: Transport,
     bits: int = 8,
     group_size: int = DEFAULT_GROUP_SIZE,
+    topology=None,
 ) -> Work:
     """:func:`quantized_all_gather` started: the shard is quantized and the all-gathers of
     payload and scales are in flight when it returns; ``wait()`` waits for both and
     dequantizes into ``out``. Bytes are booked at the call (see [Note: asynchronous
-    collectives] in :mod:`zpp.comm.transport`)."""
+    collectives] in :mod:`zpp.comm.transport`). With ``topology`` (of ``transport``) the
+    all-gathers run in two hops (:func:`hierarchical_all_gather_async`; the intra-node hop
+    at ``wait()``), with the same result."""
     world = transport.world_size
     if out.numel() != world * shard.numel():
         raise ValueError(
@@ -90,12 +138,22 @@ def quantized_all_gather_async(
     q = zq.quantize(shard, bits=bits, group_size=group_size)
     data = torch.empty(world * q.data.numel(), dtype=torch.uint8, device=shard.device)
     scales = torch.empty(world * q.scales.numel(), dtype=torch.float32, device=shard.device)
+    hier = two_hop(topology)
     with transport.counters.collective("quantized_all_gather", out.numel() * out.element_size()):
-        works = (transport.all_gather_async(data, q.data), transport.all_gather_async(scales, q.scales.reshape(-1)))
+        if hier:
+            works = tuple(hierarchical_all_gather_async(o, i, topology=topology, name="quantized_all_gather")
+                          for o, i in ((data, q.data), (scales, q.scales.reshape(-1))))
+        else:
+            works = (transport.all_gather_async(data, q.data),
+                     transport.all_gather_async(scales, q.scales.reshape(-1)))
 
     def finish() -> None:
         for w in works:
-            w.wait()
+            if hier:  # its intra-node hop is the rest of this call
+                with transport.counters.collective("quantized_all_gather", 0, continued=True):
+                    w.wait()
+            else:
+                w.wait()
         n = shard.numel()
         padded = q.groups * group_size
         # Every rank's payload is whole groups, so the gathered payload reads as one tensor.

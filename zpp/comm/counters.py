@@ -72,18 +72,19 @@ class WireCounters:
             return
         self._add(op, logical, intra, inter)
 
-    def _add(self, op: str, logical: int, intra: int, inter: int) -> None:
+    def _add(self, op: str, logical: int, intra: int, inter: int, calls: int = 1) -> None:
         with self._lock:
             s = self._stats.setdefault(op, OpStats())
-            s.calls += 1
+            s.calls += calls
             s.logical_bytes += logical
             s.intra_bytes += intra
             s.inter_bytes += inter
 
     @contextlib.contextmanager
-    def collective(self, name: str, logical_bytes: int):
+    def collective(self, name: str, logical_bytes: int, *, continued: bool = False):
         """Book every transport call inside the block under ``name``, as one call whose
-        logical size is ``logical_bytes``."""
+        logical size is ``logical_bytes``; ``continued``: the rest of a call already booked
+        (a later hop started at ``wait()``), which adds its bytes but no call."""
         frame = [name, 0, 0]
         stack = self._stack()
         stack.append(frame)
@@ -95,7 +96,7 @@ class WireCounters:
                 stack[-1][1] += frame[1]
                 stack[-1][2] += frame[2]
             else:
-                self._add(name, logical_bytes, frame[1], frame[2])
+                self._add(name, logical_bytes, frame[1], frame[2], calls=0 if continued else 1)
 
     def snapshot(self) -> dict[str, OpStats]:
         """A copy of the counters: ``{op or collective name: OpStats}``."""

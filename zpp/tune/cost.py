@@ -141,6 +141,12 @@ class Mode:
     gradient_group_size: int = 2048
 
     @property
+    def two_hop_gathers(self) -> bool:
+        """The engine's world gathers run in two hops (``zpp.hierarchical_gather``'s default:
+        where hpZ or qgZ has the engine build the node topology; stage 3 here)."""
+        return self.stage == 3 and (self.hpz or self.gradient_bits is not None)
+
+    @property
     def same_optimizer(self) -> bool:
         """The user's optimizer step on the averaged gradient each step (ZeRO stages and
         ZeRO++), so steps compare by time; 1-bit Adam and the outer mode change what a step
@@ -340,10 +346,27 @@ def _qgz(book: _Book, what: str, padded: int, bits: int, gs: int, weight: float 
             book.all_to_all(what, nbytes, group, weight)
 
 
+def _world_gather(book: _Book, what: str, m: int, hier: bool) -> None:
+    """An all-gather of ``m`` bytes per rank over the world: one ring, or with ``hier`` the
+    two hops of zpp.comm.collectives.hierarchical_all_gather_async (inter-node among equal
+    local ranks, started ahead when prefetched; then intra-node, in line at the wait)."""
+    if not (hier and book.N > 1 and book.R > 1):
+        book.all_gather(what, m)
+        return
+    book.all_gather(what, m, "inter")
+    prefetched, book.prefetched = book.prefetched, False
+    book.all_gather(what, book.N * m, "intra")
+    book.prefetched = prefetched
+
+
 def _quantized_all_gather(book: _Book, what: str, s: int, bits: int, gs: int, group: str = "world",
-                          weight: float = 1.0) -> None:
+                          weight: float = 1.0, hier: bool = False) -> None:
     g = _group(gs, s)
     codes = quantized_nbytes(s, bits, g) - 4 * (-(-s // g))
+    if hier and group == "world":
+        _world_gather(book, what, codes, True)
+        _world_gather(book, what, 4 * (-(-s // g)), True)
+        return
     book.all_gather(what, codes, group, weight)
     book.all_gather(what, 4 * (-(-s // g)), group, weight)
 
@@ -371,6 +394,7 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
         else:
             book.all_gather("onebit_all_reduce", frame)
         return Traffic(tuple(book.calls))
+    hier = mode.two_hop_gathers
     for u in units:
         s = u.shard(W)
         p = s * W
@@ -382,9 +406,9 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                 if mode.hpz and book.R > 1 and i > 0:  # from the node's secondary shards
                     book.all_gather(what, param_bytes * p // book.R, "intra")
                 elif phase == "forward" and mode.weight_bits is not None:
-                    _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size)
+                    _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size, hier=hier)
                 else:
-                    book.all_gather(what, param_bytes * s)
+                    _world_gather(book, what, param_bytes * s, hier)
             book.prefetched = False
             if mode.gradient_bits is not None:
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
@@ -395,7 +419,7 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
             else:
                 book.reduce_scatter("gradient reduce-scatter", grad_bytes * p)
-            book.all_gather("weight all-gather", param_bytes * s)
+            _world_gather(book, "weight all-gather", param_bytes * s, hier)
         else:
             book.all_reduce("gradient all-reduce", grad_bytes * u.numel)
     if mode.stage >= 1:

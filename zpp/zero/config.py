@@ -234,6 +234,13 @@ class ZppConfig:
     weight_gather: str | None = None
     """Stage 3: the forward weight gather by name (see :mod:`zpp.zero.gather`); None: "qwz"
     with ``zero_quantized_weights``, else "plain" (Default: None)."""
+    hierarchical_gather: bool | None = None
+    """Run the weight all-gathers in two hops, inter-node among the ranks of equal local rank,
+    then inside the node (:func:`zpp.comm.collectives.hierarchical_all_gather_async`): each
+    node's link then carries the other nodes' shards once per rank of the node instead of
+    once per ring pass, with the same result. None: on where the engine builds the node
+    topology anyway (hpZ or qgZ chosen); True: always (the topology is built for it)
+    (Default: None)."""
     gradient_reduce: str | None = None
     """The gradient reduction by name (see :mod:`zpp.zero.reduce`); None: from the stage,
     ``zero_quantized_gradients`` and the optimizer (Default: None)."""
@@ -265,8 +272,9 @@ class ZppConfig:
         for name in ("weight_gather", "gradient_reduce"):
             if getattr(self, name) is not None:
                 check_str(w, name, getattr(self, name))
-        if self.check_metadata is not None:
-            check_bool(w, "check_metadata", self.check_metadata)
+        for name in ("check_metadata", "hierarchical_gather"):
+            if getattr(self, name) is not None:
+                check_bool(w, name, getattr(self, name))
         if self.transport is not None:
             check_str(w, "transport", self.transport)
         if self.timeout_s is not None:

@@ -23,11 +23,12 @@ from collections.abc import Callable
 
 from zpp.zero.comm_api import Comms, Phase, WeightGather
 from zpp.zero.gather.hpz import Secondaries, SecondaryGather
-from zpp.zero.gather.plain import PlainGather
+from zpp.zero.gather.plain import PlainGather, two_hop_topology
 from zpp.zero.gather.qwz import QuantizedGather
 from zpp.zero.policy import ShardingPolicy
 
-__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers", "gather_needs"]
+__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers", "gather_needs",
+           "two_hop_topology"]
 
 #: name -> factory(comms)
 GATHERS: dict[str, Callable[[Comms], WeightGather]] = {
@@ -52,8 +53,11 @@ def forward_gather_name(comms: Comms) -> str:
 def gather_needs(comms: Comms, policy: ShardingPolicy) -> frozenset[str]:
     """The resources the gathers :func:`build_gathers` would build need (nothing built)."""
     if not policy.shard_parameters:
-        return frozenset()
+        return frozenset({"topology"}) if comms.config.zpp.hierarchical_gather and policy.gather_after_step \
+            else frozenset()
     needs = PlainGather.needs | GATHERS[forward_gather_name(comms)].needs
+    if comms.config.zpp.hierarchical_gather:
+        needs |= {"topology"}
     return needs | SecondaryGather.needs if policy.secondary_degree > 1 else needs
 
 

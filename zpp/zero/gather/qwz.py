@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zpp.comm.collectives import quantized_all_gather_async
+from zpp.comm.collectives import hierarchical_all_gather_async, quantized_all_gather_async
 from zpp.comm.transport import Work
 from zpp.zero.comm_api import Comms, WeightGather
 from zpp.zero.config import DEFAULT_WEIGHT_BITS
+from zpp.zero.gather.plain import two_hop_topology
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatShard
@@ -29,6 +30,7 @@ class QuantizedGather(WeightGather):
 
     def __init__(self, comms: Comms) -> None:
         self.world = comms.world
+        self.topology = two_hop_topology(comms)
         bits = comms.config.zpp.weight_bits
         self.bits = DEFAULT_WEIGHT_BITS if bits is None else bits
         self.group_size = comms.config.zpp.weight_group_size
@@ -38,9 +40,12 @@ class QuantizedGather(WeightGather):
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
         bits = self.by_nbytes.get(full.numel() * full.element_size(), self.bits)
         if bits is None:
+            if self.topology is not None:
+                return hierarchical_all_gather_async(full, flat.compute_shard(), topology=self.topology)
             return self.world.all_gather_async(full, flat.compute_shard())
         gs = min(self.group_size, flat.layout.shard_numel)
-        return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=bits, group_size=gs)
+        return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=bits, group_size=gs,
+                                          topology=self.topology)
 
     def __repr__(self) -> str:
         plan = f", by_nbytes={self.by_nbytes}" if self.by_nbytes else ""
