@@ -32,6 +32,7 @@ whatever DeepSpeed cannot run on CPU, the row reports the error instead.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import resource
@@ -144,11 +145,12 @@ def _run_variant(t, name, args, data):
 
 
 def _trace_step(t, args, data, engine) -> dict:
-    """One more step, under ``torch.profiler`` on rank 0: its chrome trace to ``args.trace``
-    (the compute ops, and zpp's spans: ``zpp.forward/backward/step``, ``zpp.wait.<phase>``,
-    and ``zpp.reduce`` on the reduction thread, which the profiler does not see and which is
-    added from the engine's own record, aligned on ``zpp.forward``) and zpp's spans as a text
-    timeline to ``args.trace`` + ".txt"; returns where they are."""
+    """One more step, under ``torch.profiler`` on rank 0: its chrome trace, gzipped, to
+    ``args.trace`` + ".chrome-trace.gz" (open it in https://ui.perfetto.dev or
+    chrome://tracing: the compute ops, and zpp's spans: ``zpp.forward/backward/step``,
+    ``zpp.wait.<phase>``, and ``zpp.reduce`` on the reduction thread, which the profiler does
+    not see and which is added from the engine's own record, aligned on ``zpp.forward``) and
+    zpp's spans as a text timeline to ``args.trace`` + ".txt"; returns where they are."""
     g = torch.Generator().manual_seed(1000 + t.rank)
     x, y = data.batch(args.batch, args.block, g)
     t.barrier()
@@ -166,9 +168,11 @@ def _trace_step(t, args, data, engine) -> dict:
         engine.step()
     t.barrier()
     spans, waits.spans = sorted(waits.spans, key=lambda s: s[1]), None
-    prof.export_chrome_trace(args.trace)
-    with open(args.trace) as f:
+    raw = args.trace + ".profiler.json"
+    prof.export_chrome_trace(raw)
+    with open(raw) as f:
         trace = json.load(f)
+    os.remove(raw)
     events = trace["traceEvents"]
     fwd = next(e for e in events if e.get("name") == "zpp.forward" and e.get("ph") == "X")
     offset_us = fwd["ts"] - next(s[1] for s in spans if s[0] == "zpp.forward") * 1e6
@@ -176,7 +180,8 @@ def _trace_step(t, args, data, engine) -> dict:
     events += [{"ph": "X", "name": name, "cat": "zpp", "pid": fwd["pid"], "tid": "zpp-reduce thread",
                 "ts": s * 1e6 + offset_us, "dur": (e - s) * 1e6} for name, s, e, th in spans if th != "MainThread"]
     events.append({"ph": "M", "name": "thread_name", "pid": fwd["pid"], "tid": main, "args": {"name": "training"}})
-    with open(args.trace, "w") as f:
+    chrome = args.trace + ".chrome-trace.gz"
+    with gzip.open(chrome, "wt") as f:
         json.dump(trace, f)
     t0 = spans[0][1]
     threads = {th: i for i, th in enumerate(dict.fromkeys(s[3] for s in spans))}
@@ -185,7 +190,7 @@ def _trace_step(t, args, data, engine) -> dict:
     lines += [f"{s - t0:9.3f} {e - s:8.3f}  thread {threads[th]}  {name}" for name, s, e, th in spans]
     with open(args.trace + ".txt", "w") as f:
         f.write("\n".join(lines) + "\n")
-    return {"chrome": args.trace, "text": args.trace + ".txt"}
+    return {"chrome": chrome, "text": args.trace + ".txt"}
 
 
 def bench(t, args):
@@ -248,9 +253,9 @@ def parser():
                         "DeepSpeed's rows keep DeepSpeed's default)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {list(VARIANTS)}")
-    p.add_argument("--trace", default=None,
+    p.add_argument("--trace", default=None, metavar="PREFIX",
                    help="zpp variants: one more step under torch.profiler on rank 0, its chrome trace written "
-                        "here and its zpp spans to TRACE.txt (one variant per run: the path is reused)")
+                        "to PREFIX.chrome-trace.gz and its zpp spans to PREFIX.txt (one variant per run)")
     return p
 
 
