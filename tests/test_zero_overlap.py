@@ -158,3 +158,40 @@ def test_overlap_comm_key():
     assert not from_deepspeed({"zero_optimization": {"stage": 3, "overlap_comm": False}}).zero.overlaps_reductions
     with pytest.raises(ValueError, match="overlap_comm"):
         from_deepspeed({"zero_optimization": {"stage": 3, "overlap_comm": "yes"}})
+
+
+def _failed_pass(t, overlap):
+    """A backward that raises half-way (after the last blocks' reductions started), caught
+    as a training loop skips an OOM (zero_grad, next batch), then 2 steps: losses, masters."""
+    model = _model(n_layer=3)
+    fail = [True]
+
+    def boom(*_):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("out of memory (simulated)")
+    model.blocks[0].register_full_backward_pre_hook(boom)
+    engine, _, _, _ = zz.initialize(model=model, config=_config({"stage": 3}, {}, overlap), transport=t)
+    batches = _batches("gpt", t.rank, 3)
+    x, y = batches[0]
+    try:
+        engine.backward(engine(x, y))
+    except RuntimeError as exc:
+        assert "simulated" in str(exc)
+    engine.zero_grad()
+    pending = sum(len(u.pending) for u in engine.units)
+    losses = train_steps(engine, batches[1:])
+    masters = [u.flat.master.detach().clone() for u in engine.units if u.trainable]
+    engine.close()
+    return losses, masters, pending
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_backward_leaves_no_reduction_behind():
+    """The reductions a failed pass started are waited for and dropped, as the in-line path's
+    are dropped by zero_grad: the next steps train the same bits either way."""
+    inline = run_world(_failed_pass, 2, args=(False,), timeout=100)
+    overlapped = run_world(_failed_pass, 2, args=(True,), timeout=100)
+    for (l1, m1, p1), (l2, m2, p2) in zip(inline, overlapped, strict=True):
+        assert p1 == p2 == 0
+        assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True))

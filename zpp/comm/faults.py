@@ -42,6 +42,7 @@ import dataclasses
 import json
 import secrets
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -105,6 +106,9 @@ class FaultChannel:
         self.reports: dict[int, dict] = {}
         self.exiting: set[int] = set()
         self.window_s = REPORT_WINDOW_S  # the window of the exchange, for messages
+        # a fault may be seen by two threads at once (the training thread's gather and the
+        # reduction thread's reduce-scatter, or the hierarchical mode's sync): one exchanges
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -145,14 +149,15 @@ class FaultChannel:
         reports so far, no waiting."""
         if window_s is None:
             window_s = REPORT_WINDOW_S if fault.kind == "timeout" else CLOSED_WINDOW_S
-        if self.broken is None:
-            self.broken = fault.where() + (" timed out" if fault.kind == "timeout" else " lost a peer")
-            self.window_s = window_s
-            self._exchange({"op": fault.op, "call": fault.call, "group": list(fault.group), "kind": fault.kind,
-                            "waited": round(fault.waited_s, 3)}, window_s)
-        else:
-            self._drain(0.0)
-        return dict(self.reports)
+        with self._lock:
+            if self.broken is None:
+                self.broken = fault.where() + (" timed out" if fault.kind == "timeout" else " lost a peer")
+                self.window_s = window_s
+                self._exchange({"op": fault.op, "call": fault.call, "group": list(fault.group), "kind": fault.kind,
+                                "waited": round(fault.waited_s, 3)}, window_s)
+            else:
+                self._drain(0.0)
+            return dict(self.reports)
 
     def announce_exit(self, grace_s: float = EXIT_GRACE_S) -> None:
         """Tell every rank this one is exiting; wait until each rank that reported a fault

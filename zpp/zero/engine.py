@@ -278,7 +278,11 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         for m in self.modes:
             scaled = m.scale_loss(scaled)
         with self.comms.waits.span("zpp.backward"):
-            scaled.backward(retain_graph=retain_graph)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                self._drop_reductions()  # a failed pass (an OOM the caller skips) leaves nothing behind
+                raise
             if self.policy.reduce_each_micro_step:
                 for u in self.units:
                     if u.trainable and (not u.reduced or u.has_unreduced_grads):
@@ -312,6 +316,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
 
     def _boundary_step(self, lr_kwargs: dict | None) -> None:
         """:meth:`step` at the accumulation boundary."""
+        self._wait_reductions()  # started by the hooks of a backward not run by engine.backward
         if self.train_config.train_batch_size is not None:
             self.global_samples += self.train_config.train_batch_size
         trained = [u for u in self.units if u.trainable]
@@ -347,11 +352,33 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         self.monitor.write_step(self)
 
     def _wait_reductions(self) -> None:
-        """Wait for the reductions on the reduction thread (overlap_comm) and add them up."""
+        """Wait for the reductions on the reduction thread (overlap_comm) and add them up;
+        every unit's, before the first failure is raised."""
+        if self.comms.reducer is None:
+            return
+        failure = None
+        for u in self.units:
+            try:
+                u.finish_reductions()
+            except BaseException as exc:  # noqa: BLE001 - the rest are waited, then it is raised
+                u.pending.clear()
+                failure = failure or exc
+        self.comms.reducer.forget_done()
+        if failure is not None:
+            raise failure
+
+    def _drop_reductions(self) -> None:
+        """Wait for the reductions in flight (collectives cannot be cancelled) and throw their
+        results away: a failed backward, ``zero_grad``."""
         if self.comms.reducer is None:
             return
         for u in self.units:
-            u.finish_reductions()
+            for r in u.pending:
+                try:
+                    r.wait()
+                except BaseException:  # noqa: BLE001 - the pass is discarded; a broken world says so next call
+                    pass
+            u.pending.clear()
         self.comms.reducer.forget_done()
 
     def link_waits(self) -> dict[str, float]:
@@ -410,7 +437,9 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
                   f"grad_norm={self.last_grad_norm}", flush=True)
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (both ``.grad`` and the reduced shards)."""
+        """Drop accumulated gradients (both ``.grad`` and the reduced shards, and the
+        reductions still in flight)."""
+        self._drop_reductions()
         for u in self.units:
             for p in u.params:
                 p.grad = None

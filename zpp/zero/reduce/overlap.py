@@ -156,7 +156,15 @@ class ReductionThread:
                 with self.clock.waiting("reduce", f"{oldest.what} (bound)"):
                     concurrent.futures.wait([oldest.future])
 
+        ready = None
+        if flat.is_cuda:  # the worker's device and stream: after the kernels that wrote flat
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(flat.device))
+
         def run() -> torch.Tensor:
+            if ready is not None:
+                torch.cuda.set_device(flat.device)
+                torch.cuda.current_stream(flat.device).wait_event(ready)
             with self.clock.span(f"zpp.reduce {what}"):
                 return self.reduce.start(flat, layout).wait()
 
