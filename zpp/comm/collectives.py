@@ -138,22 +138,17 @@ def quantized_all_gather_async(
     q = zq.quantize(shard, bits=bits, group_size=group_size)
     data = torch.empty(world * q.data.numel(), dtype=torch.uint8, device=shard.device)
     scales = torch.empty(world * q.scales.numel(), dtype=torch.float32, device=shard.device)
-    hier = two_hop(topology)
+    pairs = ((data, q.data), (scales, q.scales.reshape(-1)))
     with transport.counters.collective("quantized_all_gather", out.numel() * out.element_size()):
-        if hier:
+        if two_hop(topology):
             works = tuple(hierarchical_all_gather_async(o, i, topology=topology, name="quantized_all_gather")
-                          for o, i in ((data, q.data), (scales, q.scales.reshape(-1))))
+                          for o, i in pairs)
         else:
-            works = (transport.all_gather_async(data, q.data),
-                     transport.all_gather_async(scales, q.scales.reshape(-1)))
+            works = tuple(transport.all_gather_async(o, i) for o, i in pairs)
 
     def finish() -> None:
-        for w in works:
-            if hier:  # its intra-node hop is the rest of this call
-                with transport.counters.collective("quantized_all_gather", 0, continued=True):
-                    w.wait()
-            else:
-                w.wait()
+        for w in works:  # a two-hop work books its intra-node hop as the rest of this call
+            w.wait()
         n = shard.numel()
         padded = q.groups * group_size
         # Every rank's payload is whole groups, so the gathered payload reads as one tensor.

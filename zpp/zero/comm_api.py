@@ -92,9 +92,11 @@ class Reduction:
 
     [Note: reductions return work]
     The transports have no non-blocking reduce-scatter or all-to-all yet, so every
-    reduction today runs at :meth:`GradReduce.start` and returns a done ``Reduction``; the
-    API already separates starting from waiting so that a reduction can later overlap the
-    rest of the backward (``Unit.reduce_grads`` waits at once for now)."""
+    strategy runs its reduction at :meth:`GradReduce.start` and returns a done
+    ``Reduction``. The overlap with the backward comes from the engine instead: with
+    ``overlap_comm`` it runs ``start`` on a communication thread and hands the unit a
+    :class:`~zpp.zero.reduce.overlap.ThreadReduction` to wait on (see [Note: overlapped
+    reductions] in :mod:`zpp.zero.reduce.overlap`)."""
 
     __slots__ = ("_result", "_work")
 

@@ -361,24 +361,19 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
             try:
                 u.finish_reductions()
             except BaseException as exc:  # noqa: BLE001 - the rest are waited, then it is raised
-                u.pending.clear()
+                u.drop_reductions()
                 failure = failure or exc
         self.comms.reducer.forget_done()
         if failure is not None:
             raise failure
 
     def _drop_reductions(self) -> None:
-        """Wait for the reductions in flight (collectives cannot be cancelled) and throw their
-        results away: a failed backward, ``zero_grad``."""
+        """Every unit's :meth:`~zpp.zero.unit.Unit.drop_reductions`: a failed backward,
+        ``zero_grad``."""
         if self.comms.reducer is None:
             return
         for u in self.units:
-            for r in u.pending:
-                try:
-                    r.wait()
-                except BaseException:  # noqa: BLE001 - the pass is discarded; a broken world says so next call
-                    pass
-            u.pending.clear()
+            u.drop_reductions()
         self.comms.reducer.forget_done()
 
     def link_waits(self) -> dict[str, float]:

@@ -40,13 +40,15 @@ def needs(comms: Comms, policy: ShardingPolicy) -> frozenset[str]:
     return wanted
 
 
+def _with_resources(world: Transport, config: TrainConfig, wanted: frozenset[str]) -> Comms:
+    return Comms(world=world, config=config,
+                 topology=RESOURCES["topology"](world) if "topology" in wanted else None)
+
+
 def build_comms(world: Transport, config: TrainConfig, policy: ShardingPolicy) -> Comms:
     """What the strategies of ``config`` communicate over, with the resources they need
     (collective over ``world`` when one of them is built the first time)."""
-    bare = Comms(world=world, topology=None, config=config)
-    wanted = needs(bare, policy)
-    return Comms(world=world, config=config,
-                 topology=RESOURCES["topology"](world) if "topology" in wanted else None)
+    return _with_resources(world, config, needs(Comms(world=world, topology=None, config=config), policy))
 
 
 def build_reduce_comms(world: Transport, config: TrainConfig, policy: ShardingPolicy) -> Comms:
@@ -54,6 +56,4 @@ def build_reduce_comms(world: Transport, config: TrainConfig, policy: ShardingPo
     duplicate the reduction thread runs on, see [Note: overlapped reductions] in
     :mod:`zpp.zero.reduce.overlap`): the resources only it needs."""
     bare = Comms(world=world, topology=None, config=config)
-    wanted = REDUCES[reduce_name(bare, policy)].needs
-    return Comms(world=world, config=config,
-                 topology=RESOURCES["topology"](world) if "topology" in wanted else None)
+    return _with_resources(world, config, REDUCES[reduce_name(bare, policy)].needs)

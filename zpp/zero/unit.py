@@ -291,6 +291,18 @@ class Unit:
         while self.pending:
             self._fold(self.pending.pop(0).wait())
 
+    def drop_reductions(self) -> None:
+        """Wait for this unit's reductions on the reduction thread (a collective cannot be
+        cancelled) and throw their results away: a failed backward, ``zero_grad``. A failed
+        reduction is not raised here: the pass is discarded, and a broken world says so at
+        its next call."""
+        for r in self.pending:
+            try:
+                r.wait()
+            except BaseException:  # noqa: BLE001, S110 - see the docstring
+                pass
+        self.pending.clear()
+
     def _fold(self, reduced: torch.Tensor) -> None:
         f = self.flat
         if f.master is not None and f.master.device != reduced.device:  # offloaded: to the host, overlapped

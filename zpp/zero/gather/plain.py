@@ -22,6 +22,14 @@ def two_hop_topology(comms: Comms):
     return comms.topology if on is not False and two_hop(comms.topology) else None
 
 
+def all_gather_async(world: Transport, topology, out: torch.Tensor, inp: torch.Tensor) -> Work:
+    """``world``'s all-gather of ``inp`` into ``out``, in two hops over ``topology`` when it is
+    given (:func:`two_hop_topology`'s answer)."""
+    if topology is not None:
+        return hierarchical_all_gather_async(out, inp, topology=topology)
+    return world.all_gather_async(out, inp)
+
+
 class PlainGather(WeightGather):
     """``world.all_gather_async(full, shard)`` (or its two hops): ZeRO-3's gather, exact."""
 
@@ -31,15 +39,10 @@ class PlainGather(WeightGather):
         self.world: Transport = comms.world
         self.topology = two_hop_topology(comms)
 
-    def _all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> Work:
-        if self.topology is not None:
-            return hierarchical_all_gather_async(full, shard, topology=self.topology)
-        return self.world.all_gather_async(full, shard)
-
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
-        return self._all_gather(full, flat.compute_shard())
+        return all_gather_async(self.world, self.topology, full, flat.compute_shard())
 
     def publish(self, flat: FlatShard) -> Work:
         """``world.all_gather_async(flat.full, copy of flat.shard)``: the shard is a view of
         the buffer it is gathered into (the transport's work holds the copy until done)."""
-        return self._all_gather(flat.full, flat.shard.clone())
+        return all_gather_async(self.world, self.topology, flat.full, flat.shard.clone())

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zpp.comm.collectives import hierarchical_all_gather_async, quantized_all_gather_async
+from zpp.comm.collectives import quantized_all_gather_async
 from zpp.comm.transport import Work
 from zpp.zero.comm_api import Comms, WeightGather
 from zpp.zero.config import DEFAULT_WEIGHT_BITS
-from zpp.zero.gather.plain import two_hop_topology
+from zpp.zero.gather.plain import all_gather_async, two_hop_topology
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatShard
@@ -40,9 +40,7 @@ class QuantizedGather(WeightGather):
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
         bits = self.by_nbytes.get(full.numel() * full.element_size(), self.bits)
         if bits is None:
-            if self.topology is not None:
-                return hierarchical_all_gather_async(full, flat.compute_shard(), topology=self.topology)
-            return self.world.all_gather_async(full, flat.compute_shard())
+            return all_gather_async(self.world, self.topology, full, flat.compute_shard())
         gs = min(self.group_size, flat.layout.shard_numel)
         return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=bits, group_size=gs,
                                           topology=self.topology)
