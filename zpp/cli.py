@@ -25,7 +25,7 @@ COMMANDS: dict[str, str] = {
     "bench": "zpp.bench.command",
     "cluster": "zpp.cluster.cli",
     "tune": "zpp.tune.command",
-    "run": "zpp.run_command",
+    "run": "zpp.compat.run_command",
 }
 
 

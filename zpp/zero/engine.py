@@ -183,10 +183,10 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         except Exception:
             self.close()  # the model is whole and free again (every rank fails alike here)
             raise
-        if config.activation_checkpointing.enabled:  # as DeepSpeed's engine: zpp.checkpointing reads it
-            from zpp import checkpointing
+        if config.activation_checkpointing.enabled:  # as DeepSpeed's engine: checkpoint() reads it
+            from zpp.zero import activation_checkpointing
 
-            checkpointing.configure(None, deepspeed_config=config)
+            activation_checkpointing.configure(None, deepspeed_config=config)
         self.training_dataloader = None
         self._boundary: bool | None = None  # see [Note: the accumulation boundary] in deepspeed_methods
         self.global_steps = 0

@@ -1,5 +1,0 @@
-"""``deepspeed``, standing for zpp: on ``sys.path`` only through ``zpp run`` (or
-``zpp.as_deepspeed.install()``); see :mod:`zpp.as_deepspeed`."""
-from zpp.as_deepspeed import become_deepspeed
-
-become_deepspeed(__name__)
