@@ -61,18 +61,23 @@ VARIANTS = {
     "zero3-2hop": {"stage": 3, "zpp": {"hierarchical_gather": True}},
     "zero3-zeropp-1hop": {"stage": 3, **_ZEROPP, "zpp": {"hierarchical_gather": False}},
     "zero3-zeropp-1hop-inline": {"stage": 3, **_ZEROPP, "overlap_comm": False, "zpp": {"hierarchical_gather": False}},
+    # the optimizer state on NVMe (zpp.zero.nvme) under --nvme-path; not in the defaults
+    "zero2-nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 1_000_000},
+    "zero3-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}},
 }
-DEFAULT_VARIANTS = [v for v in VARIANTS if not v.startswith("deepspeed")]
+DEFAULT_VARIANTS = [v for v in VARIANTS if not v.startswith("deepspeed") and "nvme" not in v]
 LR = 1e-3
 
 
-def _zero_section(name, t):
+def _zero_section(name, t, nvme_path=None):
     from zpp.comm.topology import topology_of
 
     z = dict(VARIANTS[name])
     z.pop("zpp", None)  # zpp's own keys: _build puts them in the "zpp" section
     if z.get("zero_hpz_partition_size") == -1:
         z["zero_hpz_partition_size"] = topology_of(t).ranks_per_node
+    if z.get("offload_optimizer", {}).get("device") == "nvme":
+        z["offload_optimizer"] = {**z["offload_optimizer"], "nvme_path": nvme_path}
     return z
 
 
@@ -107,7 +112,7 @@ def _build(name, model, t, args):
     import zpp.zero as zz
 
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-           "zero_optimization": {**_zero_section(name, t),
+           "zero_optimization": {**_zero_section(name, t, args.nvme_path),
                                  "stage3_param_persistence_threshold": args.persistence_threshold},
            # the Hugging Face model keeps zpp's default units (its GPT2Block, from _no_split_modules)
            "zpp": {"check_metadata": False, "unit_min_numel": args.unit_min_numel if args.model == "gpt" else None,
@@ -120,7 +125,13 @@ def _run_variant(t, name, args, data):
     model = trainlib.make_model(args)
     psi = sum(p.numel() for p in model.parameters())
     net, backward, opt_step, engine = _build(name, model, t, args)
-    on_timed = engine.link_waits if engine is not None else None  # drops the warm-up's waits
+    nvme_at = {}  # the NVMe swap's counters when the timed steps start
+
+    def on_timed():  # drops the warm-up's waits and swap traffic
+        engine.link_waits()
+        if engine.mode("nvme") is not None:
+            nvme_at.update(engine.mode("nvme").stats())
+    on_timed = on_timed if engine is not None else None
     measured, snap = trainlib.timed_steps(t, args, data, net, backward, opt_step, on_timed=on_timed)
     row = {"variant": name, "params": psi, **measured}
     if engine is not None:
@@ -128,6 +139,11 @@ def _run_variant(t, name, args, data):
         row["link_wait_s"] = {k: v / args.steps for k, v in sorted(engine.link_waits().items())}
         row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
         row["model_state_bytes"] = sum(engine.model_state_bytes().values())
+        nvme = engine.mode("nvme")
+        if nvme is not None:  # the swap's traffic and waits per timed step
+            now = nvme.stats()
+            row["nvme"] = {**now, **{f"{k}_per_step": (now[k] - nvme_at[k]) / args.steps
+                                     for k in ("read_bytes", "written_bytes", "wait_s", "busy_s")}}
         # each unit's elements and whether it stays whole at stage 3 (for zpp/tune/cost.py)
         row["units"] = [[u.layout.numel, not u.shards_params] for u in engine.units]
         row["gather_trace"] = [[i, phase.value] for i, phase in engine._prefetch.trace() or ()]
@@ -224,6 +240,11 @@ def print_rows(rows):
         mark = "" if r["bytes_source"] == "counters" else " (model)"
         state = "-" if r["model_state_bytes"] is None else f"{r['model_state_bytes']}"
         waits = " ".join(f"{k} {v:.2f}" for k, v in r.get("link_wait_s", {}).items() if v >= 0.005)
+        if "nvme" in r:
+            nv = r["nvme"]
+            waits += (f" | nvme read {nv['read_bytes_per_step'] / 2**20:.0f} MiB, written "
+                      f"{nv['written_bytes_per_step'] / 2**20:.0f} MiB, waited {nv['wait_s_per_step']:.2f} s"
+                      f"{'' if nv['direct'] else ' (buffered I/O)'}")
         print(f"{r['variant']:<20}{r['step_s']:>8.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_s']:>7.3f}"
               f"{r['inter_bytes']:>14.0f}{trainlib.fmt_eth(r, 'eth_tx_bytes_per_node'):>28}{state:>11}"
               f"{r['peak_rss_mib']:>9.0f}{r['loss']:>7.3f}{mark}  {waits}")
@@ -253,6 +274,8 @@ def parser():
                         "DeepSpeed's rows keep DeepSpeed's default)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-bench-nvme"),
+                   help="the *-nvme variants' offload_optimizer.nvme_path (Default: $TMPDIR/zpp-bench-nvme)")
     p.add_argument("--trace", default=None, metavar="PREFIX",
                    help="zpp variants: one more step under torch.profiler on rank 0, its chrome trace written "
                         "to PREFIX.chrome-trace.gz and its zpp spans to PREFIX.txt (one variant per run)")

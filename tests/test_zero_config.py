@@ -301,7 +301,6 @@ ACCEPTED_SAMPLES = {
         ("min_train_micro_batch_size_per_gpu", 1), ("max_train_micro_batch_size_per_gpu", 8),
         ("model_info", {"num_params": 1000}), ("model_info_path", "info.json"), ("metric_path", "metrics.json"))},
     "bf16.immediate_grad_update": True, "bf16.check_grad_overflow": True,
-    "zero_optimization.offload_optimizer.nvme_path": "/nvme", "zero_optimization.offload_optimizer.buffer_count": 4,
     "zero_optimization.offload_param.nvme_path": "/nvme", "zero_optimization.offload_param.buffer_count": 5,
     "zero_optimization.offload_param.buffer_size": 1e8, "zero_optimization.offload_param.max_in_cpu": 1e9,
     "zero_optimization.offload_optimizer.pipeline_read": False,
@@ -316,13 +315,12 @@ ACCEPTED_SAMPLES = {
     "zero_optimization.stage3_module_granularity_threshold": 0,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
     "zero_optimization.stage3_allgather_sequential": False, "zero_optimization.memory_efficient_linear": False,
-    "zero_optimization.round_robin_gradients": True, "zero_optimization.sub_group_size": 1e9,
+    "zero_optimization.round_robin_gradients": True,
     "zero_optimization.override_module_apply": True, "zero_optimization.log_trace_cache_warnings": False,
     "zero_optimization.elastic_checkpoint": True,
     "optimizer.params.max_grad_norm": 1.0, "wall_clock_breakdown": True, "memory_breakdown": False,
     "prescale_gradients": True,
     "gradient_predivide_factor": 2.0, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": True,
-    "aio": {"block_size": 1048576, "queue_depth": 8},
 }
 # A value asking for something, for every refused key.
 REFUSED_SAMPLES = {
@@ -422,6 +420,10 @@ def test_implemented_keys_change_the_config():
         "zero_optimization.stage3_gather_fp16_weights_on_model_save": True,
         "zero_optimization.offload_optimizer.device": "cpu", "zero_optimization.offload_optimizer.pin_memory": True,
         "zero_optimization.offload_param.device": "cpu", "zero_optimization.offload_param.pin_memory": True,
+        "zero_optimization.offload_optimizer.nvme_path": "/nvme", "zero_optimization.offload_optimizer.buffer_count": 3,
+        "zero_optimization.sub_group_size": 1000,
+        **{f"aio.{k}": v for k, v in (("block_size", 8192), ("queue_depth", 4), ("thread_count", 2),
+                                      ("single_submit", True), ("overlap_events", False))},
         "zero_optimization.cpu_offload": True, "zero_optimization.cpu_offload_param": True,
         "zero_optimization.cpu_offload_use_pin_memory": True,
         "zero_optimization.leaf_module.classes": ["Block"], "zero_optimization.leaf_module.names": "blocks.0",

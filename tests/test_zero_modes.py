@@ -18,7 +18,7 @@ from zpp.zero.engine import ZeroEngine
 from zpp.zero.modes import MODES, Mode
 
 ROOT = Path(__file__).resolve().parent.parent
-MODE_NAMES = ("onebit", "outer", "offload", "loss_scal", "OuterSync", "OneBit", "LossScal", "settle")
+MODE_NAMES = ("onebit", "outer", "offload", "loss_scal", "OuterSync", "OneBit", "LossScal", "settle", "nvme")
 
 
 class ToyMode(Mode):
@@ -144,4 +144,4 @@ def test_mode_files_are_small():
     for f in sorted((ROOT / "zpp" / "zero" / "modes").glob("*.py")):
         n = len(f.read_text().splitlines())
         assert n <= 250, (f.name, n)
-    assert set(MODES) == {"offload", "onebit", "outer", "loss_scaler"}
+    assert set(MODES) == {"offload", "nvme", "onebit", "outer", "loss_scaler"}

@@ -43,7 +43,8 @@ MODULES: dict[str, str] = {
                 "optimizer.type OneBitLamb in the config",
     "ops.adagrad": "DeepSpeedCPUAdagrad is not in zpp; use torch.optim.Adagrad",
     "ops.lion": "Lion is not in zpp; pass any torch optimizer to zpp.initialize(optimizer=...)",
-    "ops.aio": "NVMe I/O is not in zpp (offload device nvme is refused)",
+    "ops.aio": "DeepSpeed's async I/O op is not in zpp; zpp's NVMe tier (offload_optimizer.device nvme) does its own "
+               "I/O (zpp.zero.nvme)",
     "ops.deepspeed4science": "DeepSpeed4Science kernels are not in zpp",
     "moe.sharded_moe": "zpp has no MoE layers or expert parallelism",
     "moe.experts": "zpp has no MoE layers or expert parallelism",

@@ -44,6 +44,7 @@ from zpp.zero.optim_config import (  # noqa: F401 - re-exported: part of the typ
     SchedulerConfig,
 )
 from zpp.zero.monitor import MonitorConfig  # noqa: F401 - re-exported: part of the typed config
+from zpp.zero.offload_config import OFFLOAD_DEVICES, AioConfig, OffloadConfig  # noqa: F401 - re-exported
 from zpp.zero.outer_config import OUTER_COMPRESSIONS, OUTER_METHODS, OuterConfig  # noqa: F401 - re-exported
 
 STAGES = (0, 1, 2, 3)
@@ -52,25 +53,6 @@ QUANT_BITS = (4, 8)
 DEFAULT_WEIGHT_BITS = 8
 DEFAULT_GRADIENT_BITS = 4
 NONFINITE = ("skip", "raise")
-OFFLOAD_DEVICES = ("none", "cpu")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class OffloadConfig:
-    """Where optimizer states (``offload_optimizer``) or parameters (``offload_param``) live
-    between uses."""
-
-    device: Literal["none", "cpu"] = "none"
-    """"none": on the training device; "cpu": in host memory (on a CPU job they are there
-    already) (Default: "none")."""
-    pin_memory: bool = False
-    """Page-locked host buffers, for overlapped copies on a CUDA job (Default: False)."""
-
-    def __post_init__(self) -> None:
-        check_choice("OffloadConfig", "device", self.device, OFFLOAD_DEVICES)
-        check_bool("OffloadConfig", "pin_memory", self.pin_memory)
-
-
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class LeafModuleConfig:
     """Stage 3: modules gathered whole, nothing inside them on its own (DeepSpeed's
@@ -117,6 +99,10 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     """Stages 1-2: caps the unit size as well; the unit is ``min`` of both bucket sizes
     (Default: 5e8)."""
+    sub_group_size: int = 1_000_000_000
+    """With the optimizer state on NVMe: the most elements of one unit at stages 0-2 (and of
+    stage 3's buckets of small parameters), so the state streams in pieces of this size
+    (DeepSpeed's tile of the offloaded optimizer step) (Default: 1e9)."""
     prefetch_bucket_size: int = 50_000_000
     """Stage 3: elements of parameter gathers started ahead of use (in the order recorded
     on the first pass) that may be in flight or waiting at once; 0 turns prefetch off. See
@@ -149,7 +135,7 @@ class ZeroConfig:
             check_bool(w, name, getattr(self, name))
         if self.overlap_comm is not None:
             check_bool(w, "overlap_comm", self.overlap_comm)
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "hpz_partition_size"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "hpz_partition_size", "sub_group_size"):
             check_int(w, name, getattr(self, name), lo=1)
         for name in ("prefetch_bucket_size", "param_persistence_threshold"):
             check_int(w, name, getattr(self, name), lo=0)
@@ -168,6 +154,9 @@ class ZeroConfig:
                 on.append(f"offload_param.device={self.offload_param.device!r}")
             if on:
                 raise ValueError(f"ZeroConfig: {', '.join(on)} need stage=3, got stage={self.stage}")
+        if self.offload_param.device == "nvme":
+            raise NotImplementedError("ZeroConfig: offload_param.device='nvme' (parameters on NVMe) is not implemented "
+                                      "yet; offload_optimizer.device='nvme' is, and offload_param.device='cpu'")
         if self.stage == 0 and self.offload_optimizer.device != "none":
             raise ValueError(f"ZeroConfig: offload_optimizer.device={self.offload_optimizer.device!r} needs "
                              "stage >= 1, got stage=0")
@@ -385,6 +374,8 @@ class TrainConfig:
     activation_checkpointing: ActivationCheckpointingConfig = dataclasses.field(
         default_factory=ActivationCheckpointingConfig)
     """DeepSpeed's activation checkpointing options (Default: all off)."""
+    aio: AioConfig = dataclasses.field(default_factory=AioConfig)
+    """DeepSpeed's ``aio`` section: the NVMe tier's reads and writes (Default: DeepSpeed's)."""
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
     """DeepSpeed's monitors: the tensorboard, csv_monitor, wandb and comet sections
     (Default: all off)."""
@@ -403,7 +394,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: precision={self.precision!r} must be 'fp32', 'bf16' or 'fp16'")
         check_int(w, "steps_per_print", self.steps_per_print, lo=0)
         for name, cls in (("fp16", Fp16Config), ("zero", ZeroConfig), ("zpp", ZppConfig),
-                          ("activation_checkpointing", ActivationCheckpointingConfig), ("monitor", MonitorConfig)):
+                          ("activation_checkpointing", ActivationCheckpointingConfig), ("monitor", MonitorConfig),
+                          ("aio", AioConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise fail(w, name, getattr(self, name), f"a {cls.__name__}")
         for name, cls in (("optimizer", OptimizerConfig), ("scheduler", SchedulerConfig)):

@@ -18,8 +18,8 @@ from zpp.log import log_dist_once
 from zpp.zero.checks import check_mapping, from_section
 from zpp.zero.config import (
     OPTIMIZER_PARAM_CHECKS, OPTIMIZER_PARAMS, SCHEDULER_PARAM_CHECKS, SCHEDULERS,
-    ActivationCheckpointingConfig, Fp16Config, MonitorConfig, OffloadConfig, OptimizerConfig, SchedulerConfig,
-    LeafModuleConfig, TrainConfig, ZeroConfig, ZppConfig,
+    ActivationCheckpointingConfig, AioConfig, Fp16Config, MonitorConfig, OffloadConfig, OptimizerConfig,
+    SchedulerConfig, LeafModuleConfig, TrainConfig, ZeroConfig, ZppConfig,
 )
 
 from zpp.zero.deepspeed_keys import (
@@ -142,6 +142,7 @@ def translate(config: Mapping[str, Any] | str | os.PathLike) -> tuple[TrainConfi
     kw["activation_checkpointing"] = ActivationCheckpointingConfig(
         **{k: KEYS[f"activation_checkpointing.{k}"].check(f"activation_checkpointing.{k}", v)
            if v is not None else None for k, v in ac.items()})
+    kw["aio"] = AioConfig(**{k: KEYS[f"aio.{k}"].check(f"aio.{k}", v) for k, v in (top.get("aio") or {}).items()})
     kw["monitor"] = _monitor(top)
     kw["zpp"] = _zpp(top.get("zpp", {}))
     return TrainConfig(**kw), notes
@@ -231,14 +232,18 @@ def _offload(zero: Mapping[str, Any], dev: str, stage: int, notes: list[str]) ->
     if zero.get("cpu_offload_use_pin_memory") is not None and "pin_memory" not in sec:
         sec["pin_memory"] = zero["cpu_offload_use_pin_memory"]
     device = sec.get("device", "none")
-    if device == "nvme":
-        raise NotImplementedError(f"{WHERE}: zpp does not implement zero_optimization.{dev}.device='nvme' "
-                                  "(offload to NVMe); use \"cpu\"")
+    if device == "nvme" and dev == "offload_param" and stage == 3:
+        raise NotImplementedError(f"{WHERE}: zero_optimization.offload_param.device='nvme' (parameters on NVMe) is "
+                                  "not implemented yet; offload_optimizer.device='nvme' is; use \"cpu\" for the "
+                                  "parameters")
     if dev == "offload_param" and device != "none" and stage < 3:
         notes.append(f"{WHERE}: zero_optimization.offload_param.device={device!r} ignored at stage {stage} (it "
                      "needs stage 3), as DeepSpeed ignores it")
         device = "none"
-    return OffloadConfig(device=device, pin_memory=sec.get("pin_memory", False))
+    kw = {"device": device, "pin_memory": sec.get("pin_memory", False)}
+    if dev == "offload_optimizer":
+        kw.update({k: sec[k] for k in ("nvme_path", "buffer_count") if sec.get(k) is not None})
+    return OffloadConfig(**kw)
 
 
 def _zero(zero: Mapping[str, Any], notes: list[str]) -> ZeroConfig:
@@ -250,6 +255,7 @@ def _zero(zero: Mapping[str, Any], notes: list[str]) -> ZeroConfig:
                      ("reduce_bucket_size", "reduce_bucket_size"),
                      ("overlap_comm", "overlap_comm"),
                      ("allgather_bucket_size", "allgather_bucket_size"),
+                     ("sub_group_size", "sub_group_size"),
                      ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
                      ("stage3_param_persistence_threshold", "param_persistence_threshold"),
                      ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"),

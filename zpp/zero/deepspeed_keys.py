@@ -42,6 +42,7 @@ from zpp.zero.checks import (
     check_bool, check_choice, check_int, check_mapping, check_number, check_str, check_str_tuple, fail,
 )
 from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, OuterConfig, ZppConfig
+from zpp.zero.offload_config import AioConfig
 from zpp.zero.monitor import FIELD_CHECKS as _MONITOR_CHECKS, SECTIONS as MONITOR_SECTIONS, WRITERS as _WRITERS
 
 __all__ = ["KEYS", "MONITOR_SECTIONS", "OFFLOAD_SECTIONS", "REFUSED_OPTIMIZERS", "STATUSES",
@@ -179,7 +180,7 @@ def _refuse_flag(path, note, default=False, **kw):
     return _refuse(path, note, _bool, _is(default), "false" if default is False else "true", **kw)
 
 
-_NVME_ONLY = "used by device nvme only, which zpp refuses"
+_NVME_PARAMS = "used by offload_param.device nvme only, not implemented yet"
 ZERO = _ZERO = "zero_optimization"
 OFFLOAD_SECTIONS = _OFF = ("offload_optimizer", "offload_param")
 
@@ -239,16 +240,22 @@ _KEY_LIST: list[DsKey] = [
         _impl(f"{_ZERO}.{dev}", f"ZeroConfig.{dev} (OffloadConfig)" + (
               "; ignored below stage 3, as DeepSpeed does" if dev == "offload_param" else "; needs stage >= 1"),
               _dict, nullable=True, section=True),
-        _impl(f"{_ZERO}.{dev}.device", f'ZeroConfig.{dev}.device: "none" or "cpu" ("nvme" refused)',
+        _impl(f"{_ZERO}.{dev}.device", f'ZeroConfig.{dev}.device: "none", "cpu" or "nvme"' + (
+              ' ("nvme" not implemented yet for parameters)' if dev == "offload_param" else ""),
               _choice("none", "cpu", "nvme")),
         _impl(f"{_ZERO}.{dev}.pin_memory", f"ZeroConfig.{dev}.pin_memory", _bool),
-        _accept(f"{_ZERO}.{dev}.nvme_path", _NVME_ONLY, _anything, nullable=True),
-        _accept(f"{_ZERO}.{dev}.buffer_count", _NVME_ONLY, _int(lo=0)),
     )],
-    _accept(f"{_ZERO}.offload_param.buffer_size", _NVME_ONLY, _int(lo=0)),
-    _accept(f"{_ZERO}.offload_param.max_in_cpu", _NVME_ONLY, _int(lo=0)),
-    *[_accept(f"{_ZERO}.offload_optimizer.{k}", _NVME_ONLY, _bool) for k in
-      ("pipeline_read", "pipeline_write", "fast_init")],
+    _impl(f"{_ZERO}.offload_optimizer.nvme_path", "OffloadConfig.nvme_path: the swap files' folder", _str,
+          nullable=True),
+    _impl(f"{_ZERO}.offload_optimizer.buffer_count", "OffloadConfig.buffer_count: host buffers the swapped "
+          "state streams through (at least 2)", _int(lo=2)),
+    _accept(f"{_ZERO}.offload_param.nvme_path", _NVME_PARAMS, _anything, nullable=True),
+    _accept(f"{_ZERO}.offload_param.buffer_count", _NVME_PARAMS, _int(lo=0)),
+    _accept(f"{_ZERO}.offload_param.buffer_size", _NVME_PARAMS, _int(lo=0)),
+    _accept(f"{_ZERO}.offload_param.max_in_cpu", _NVME_PARAMS, _int(lo=0)),
+    *[_accept(f"{_ZERO}.offload_optimizer.{k}", "zpp always pipelines the swap's reads and writes", _bool)
+      for k in ("pipeline_read", "pipeline_write")],
+    _accept(f"{_ZERO}.offload_optimizer.fast_init", "zpp preallocates the swap file at initialize", _bool),
     _refuse(f"{_ZERO}.offload_optimizer.ratio", "partial optimizer offload", _num(lo=0, hi=1), _is(1, 1.0), "1"),
     _refuse_flag(f"{_ZERO}.offload_optimizer.super_offload", "Superchip offload"),
     _accept(f"{_ZERO}.offload_optimizer.convert_grad_on_cpu", "zpp converts where the states live", _bool),
@@ -275,7 +282,9 @@ _KEY_LIST: list[DsKey] = [
     _accept(f"{_ZERO}.stage3_allgather_sequential", "zpp gathers per unit", _bool),
     _accept(f"{_ZERO}.memory_efficient_linear", "zpp gathers per unit around any module", _bool),
     _accept(f"{_ZERO}.round_robin_gradients", "a CPU-offload copy schedule; zpp has its own", _bool),
-    _accept(f"{_ZERO}.sub_group_size", "zpp steps each unit's shard as one tensor", _int(lo=0)),
+    _impl(f"{_ZERO}.sub_group_size", "ZeroConfig.sub_group_size: with offload_optimizer nvme, the most elements "
+          "of a bucketed unit (the swapped step's tile); otherwise each unit's shard steps as one tensor",
+          _int(lo=1)),
     _accept(f"{_ZERO}.override_module_apply", "zpp does not patch Module.apply", _bool),
     _accept(f"{_ZERO}.log_trace_cache_warnings", "zpp logs prefetch fallbacks in engine.prefetch_stats", _bool),
     _accept(f"{_ZERO}.elastic_checkpoint", "zpp's checkpoints load at any world size", _bool),
@@ -323,7 +332,9 @@ _KEY_LIST: list[DsKey] = [
             _num(lo=0, lo_open=True)),
     _accept("zero_allow_untested_optimizer", "a permission; zpp runs the optimizers it builds", _bool),
     _accept("zero_force_ds_cpu_optimizer", "zpp's optimizers are torch's", _bool),
-    _accept("aio", _NVME_ONLY, _dict),
+    _impl("aio", "TrainConfig.aio (AioConfig): the NVMe tier's reads and writes", _dict, section=True),
+    *[_impl(f"aio.{f.name}", f"AioConfig.{f.name}", _bool if f.type == "bool" else _int(lo=1))
+      for f in dataclasses.fields(AioConfig)],
     _refuse("communication_data_type", "zpp reduces gradients in fp32; compress with "
             "zero_quantized_gradients", _choice("fp32", "fp16", "bf16"), _is("fp32"), '"fp32"', nullable=True),
     _refuse_flag("sparse_gradients", "sparse gradients"),

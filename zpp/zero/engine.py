@@ -339,7 +339,8 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
             m.before_optimizer_step(trained)
         for u in trained:
             u.stage_grad()
-        self.optimizer.step()
+        if not any(m.optimizer_step(self.optimizer, trained) for m in self.modes):
+            self.optimizer.step()
         for m in self.modes:
             m.after_optimizer_step(trained)
         for u in trained:

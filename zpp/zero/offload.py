@@ -9,6 +9,10 @@ overlaps the rest of the backward), and after the step the updated master is cop
 into the device shard. Device memory per rank drops from ``16 Psi / N`` to the parameter
 shard (``4 Psi / N`` in fp32, ``2 Psi / N`` in bf16) plus gathered units.
 
+``offload_optimizer.device: "nvme"`` places the masters and the step as "cpu" does, and
+keeps the optimizer's per-element state in a swap file between steps (see [Note: NVMe
+swap] in :mod:`zpp.zero.nvme`).
+
 ``zero_optimization.offload_param.device: "cpu"`` (stage 3): the parameter shards live in
 host memory too; each gather first copies this rank's shard to the device.
 
@@ -46,11 +50,13 @@ class Offload:
     def from_config(cls, config: TrainConfig, device: torch.device) -> Offload:
         """The offload of ``config`` for parameters on ``device`` (nothing on a CPU job)."""
         zero = config.zero
-        want_opt = zero.offload_optimizer.device == "cpu"
+        want_opt = zero.offload_optimizer.device in ("cpu", "nvme")  # nvme: the host steps, see zpp.zero.nvme
         want_params = zero.offload_param.device == "cpu" and zero.stage == 3
         if not (want_opt or want_params):
             return cls()
         if device.type == "cpu":
+            if zero.offload_optimizer.device == "nvme" and not want_params:
+                return cls()  # the states are in host memory between the swap file and the step
             log.info("zpp: offload_optimizer/offload_param device 'cpu' on a CPU job: the optimizer states and "
                      "parameter shards are in host memory already; nothing moves")
             return cls()

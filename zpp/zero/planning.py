@@ -40,6 +40,8 @@ for one gather per step. 0 shards everything (the ZeRO-3 memory formula exactly)
 Without sharded parameters (stages 0-2) the parameters are cut, in model order, into
 buckets of at most ``min(reduce_bucket_size, allgather_bucket_size)`` elements (a larger
 parameter is a bucket of its own): one gradient reduction and one all-gather per bucket.
+With the optimizer state on NVMe, ``sub_group_size`` caps them too: the swapped state
+streams one unit at a time (see [Note: NVMe swap] in :mod:`zpp.zero.nvme`).
 
 Either way a unit holds parameters of one dtype and one optimizer group (or all frozen):
 see :mod:`zpp.zero.param_groups`.
@@ -149,6 +151,8 @@ def _buckets(named: Named, config: TrainConfig, key: Callable, add: Callable[[Na
     """Cut ``named`` (in order) into buckets of one key and at most ``min(reduce_bucket_size,
     allgather_bucket_size)`` elements (see [Note: buckets])."""
     cap = min(config.zero.reduce_bucket_size, config.zero.allgather_bucket_size)
+    if config.zero.offload_optimizer.device == "nvme":  # the swapped step's tile
+        cap = min(cap, config.zero.sub_group_size)
     open_: dict[tuple, Named] = {}
     sizes: dict[tuple, int] = {}
     for n, p in named:

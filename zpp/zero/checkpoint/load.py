@@ -368,6 +368,8 @@ def _apply(engine, read: _Read) -> None:
     if read.load_optimizer:
         for g, saved in zip(opt.param_groups, read.extra["param_groups"], strict=True):
             g.update(saved)
+    for m in engine.modes:
+        m.after_load()
     if read.load_scheduler and engine.lr_scheduler is not None and read.extra["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(read.extra["scheduler"])
     buffers = dict(engine.module.named_buffers())

@@ -274,6 +274,8 @@ def _unit_entries(engine, exclude_frozen: bool) -> list[dict[str, Any]]:
             entry["values"] = f.master.detach().clone()
             entry["optim"] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in opt.state.get(f.master, {}).items()}
+            for m in engine.modes:  # state a mode keeps outside the optimizer (NVMe), under its own keys
+                entry["optim"].update(m.swapped_state(u))
             for m in engine.modes:  # per-element mode state reshards like the optimizer's
                 entry["optim"].update({f"{m.name}.{k}": v for k, v in m.unit_state(u).items()})
         else:

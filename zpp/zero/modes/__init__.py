@@ -4,6 +4,7 @@
 name          what it adds                                    file
 ============  ==============================================  ========================================
 ``offload``   host copies of the reduced gradients folded     :mod:`~zpp.zero.modes.offload`
+``nvme``      optimizer state on NVMe, stepped unit by unit   :mod:`~zpp.zero.modes.nvme`
 ``onebit``    1-bit optimizer views and per-rank state        :mod:`~zpp.zero.modes.onebit`
 ``outer``     the node as the ZeRO world, the outer sync      :mod:`~zpp.zero.modes.outer`
 ``loss_scaler``  fp16 loss scaling (scale 1 without fp16)     :mod:`~zpp.zero.modes.loss_scale`
@@ -19,16 +20,18 @@ from zpp.comm.transport import Transport
 from zpp.zero.config import TrainConfig
 from zpp.zero.modes.base import Mode
 from zpp.zero.modes.loss_scale import LossScaleMode
+from zpp.zero.modes.nvme import NvmeMode
 from zpp.zero.modes.offload import OffloadMode
 from zpp.zero.modes.onebit import OneBitMode
 from zpp.zero.modes.outer import OuterMode
 
-__all__ = ["MODES", "LossScaleMode", "Mode", "ModeAttributes", "OffloadMode", "OneBitMode", "OuterMode",
+__all__ = ["MODES", "LossScaleMode", "Mode", "ModeAttributes", "NvmeMode", "OffloadMode", "OneBitMode", "OuterMode",
            "build_modes", "data_parallel_world"]
 
 #: name -> mode class, in hook order
 MODES: dict[str, type[Mode]] = {
     "offload": OffloadMode,
+    "nvme": NvmeMode,
     "onebit": OneBitMode,
     "outer": OuterMode,
     "loss_scaler": LossScaleMode,

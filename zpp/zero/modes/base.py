@@ -96,6 +96,12 @@ class Mode:
     def before_optimizer_step(self, trained: Sequence[Unit]) -> None:
         """The gradients checked, unscaled and clipped, before the optimizer steps."""
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, trained: Sequence[Unit]) -> bool:
+        """Step ``optimizer`` in the mode's own way and return True, or return False to let the
+        engine call ``optimizer.step()`` (the first mode that returns True steps it)."""
+        del optimizer, trained
+        return False
+
     def after_optimizer_step(self, trained: Sequence[Unit]) -> None:
         """After the optimizer stepped, before the engine publishes the masters."""
 
@@ -128,6 +134,15 @@ class Mode:
     def load_state_dict(self, state: Any, *, own: bool) -> None:
         """Restore :meth:`state_dict`'s state (None: the checkpoint has none, or the
         optimizer state is not loaded). ``own``: the per-rank state is this rank's."""
+
+    def swapped_state(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Optimizer state of ``unit``'s master that the mode keeps outside the optimizer
+        between steps (the NVMe tier), saved with the optimizer's own under its own keys."""
+        del unit
+        return {}
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded into the units and the optimizer."""
 
     def unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Per-element state of ``unit``'s shard (tensors of ``shard_numel`` elements)."""

@@ -72,8 +72,9 @@ _SPECS = [
     ("StochasticTransformerBuilder", "stochastic_transformer", None, "the model's own layers"),
     ("InferenceBuilder", "transformer_inference", None, "zpp trains; run the trained module as it is"),
     ("SparseAttnBuilder", "sparse_attn", None, "torch.nn.functional.scaled_dot_product_attention"),
-    ("AsyncIOBuilder", "async_io", None, "NVMe offload is not in zpp (offload device nvme is refused)"),
-    ("GDSBuilder", "gds", None, "NVMe offload is not in zpp"),
+    ("AsyncIOBuilder", "async_io", None, "DeepSpeed's async I/O op is not in zpp; its NVMe tier "
+     "(offload_optimizer.device nvme) does its own I/O (zpp.zero.nvme)"),
+    ("GDSBuilder", "gds", None, "GPUDirect Storage is not in zpp; its NVMe tier reads and writes through host buffers"),
     ("QuantizerBuilder", "quantizer", None, "zpp.quant (the communication quantizers)"),
     ("RandomLTDBuilder", "random_ltd", None, _NONE),
     ("SpatialInferenceBuilder", "spatial_inference", None, _NONE),

@@ -1,0 +1,190 @@
+"""The NVMe tier (offload_optimizer.device "nvme"; [Note: NVMe swap] in zpp/zero/nvme.py and
+zpp/zero/modes/nvme.py): training equals the in-memory run to the bit at stages 1-3 with
+Adam(W) and SGD, only scalars stay in memory between steps, checkpoints move between the two
+tiers both ways, bad paths and a full disk fail on every rank before training, the file is
+locked, truncated and removed, and a file system without O_DIRECT falls back, counted."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import zpp.zero as zz
+from tests.dist import run_world
+from tests.gpt import GPT, GPTConfig
+from tests.test_zero_engine import _batches, train_steps
+from zpp.zero.memory import model_state_bytes
+from zpp.zero.nvme import SwapFile
+from zpp.zero.offload_config import AioConfig
+
+
+def _config(stage, optimizer="AdamW", nvme=None, buffer_count=2, aio=None):
+    params = {"lr": 3e-3} if optimizer != "SGD" else {"lr": 0.05, "momentum": 0.9}
+    cfg = {"optimizer": {"type": optimizer, "params": params},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                 "reduce_bucket_size": 4096, "allgather_bucket_size": 4096}}
+    if nvme is not None:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme,
+                                                        "buffer_count": buffer_count}
+        cfg["aio"] = aio or {"block_size": 8192, "queue_depth": 2, "thread_count": 2}
+    return cfg
+
+
+def _model():
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+
+
+def _masters(engine):
+    return [u.flat.master.detach().clone() for u in engine.units if u.trainable]
+
+
+def _run(t, stage, optimizer, nvme, steps=5):
+    batches = _batches("gpt", t.rank, steps)
+    out = {}
+    for name, path in (("memory", None), ("nvme", nvme)):
+        engine, *_ = zz.initialize(model=_model(), config=_config(stage, optimizer, path), transport=t)
+        losses = train_steps(engine, batches)
+        rec = {"losses": losses, "masters": _masters(engine), "units": len(engine.units)}
+        if path is not None:
+            mode = engine.mode("nvme")
+            per_element = [k for st in engine.optimizer.state.values() for k, v in st.items()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0]
+            swap = mode.swap.path
+            rec.update(stats=mode.stats(), per_element=per_element, exists=swap.exists(),
+                       optimizer_bytes=model_state_bytes(engine.units, engine.optimizer, engine.modes)["optimizer"],
+                       buffer_bytes=sum(b.nbytes for b in mode._all))
+        engine.close()
+        if path is not None:
+            rec["exists_after_close"] = swap.exists()
+        out[name] = rec
+    return out
+
+
+@pytest.mark.parametrize("stage,optimizer", [(1, "AdamW"), (2, "Adam"), (3, "AdamW"), (3, "SGD")])
+def test_nvme_training_equals_memory_to_the_bit(tmp_path, stage, optimizer):
+    for r in run_world(_run, 2, args=(stage, optimizer, str(tmp_path)), timeout=150):
+        mem, nv = r["memory"], r["nvme"]
+        assert nv["losses"] == mem["losses"]
+        for a, b in zip(nv["masters"], mem["masters"], strict=True):
+            assert torch.equal(a, b)
+        s = nv["stats"]
+        states = 1 if optimizer == "SGD" else 2
+        assert s["direct"] and s["fallbacks"] == 0
+        # every step after the first reads each unit's state once, every step writes it once
+        assert s["written_bytes"] == 5 * s["file_bytes"] and s["read_bytes"] == 4 * s["file_bytes"]
+        numel = sum(m.numel() for m in nv["masters"])
+        assert s["file_bytes"] >= states * numel * 4
+        assert nv["per_element"] == []  # between steps only scalars (step) stay in memory
+        assert nv["optimizer_bytes"] == nv["buffer_bytes"] <= 2 * max(m.numel() for m in nv["masters"]) * 4 * \
+            states + 2 * 4096 * states
+        assert nv["exists"] and not nv["exists_after_close"]
+        assert mem["units"] >= 3  # buffer_count=2: buffers are reused across units
+
+
+def _checkpoint_roundtrip(t, root):
+    batches = _batches("gpt", t.rank, 6)
+    out = {}
+    # uninterrupted in memory
+    e, *_ = zz.initialize(model=_model(), config=_config(2), transport=t)
+    out["ref"] = train_steps(e, batches)
+    e.close()
+    # 3 steps on one tier, save, resume 3 on the other
+    for first, second in (("nvme", "memory"), ("memory", "nvme")):
+        path = {"nvme": str(Path(root) / "swap"), "memory": None}
+        e, *_ = zz.initialize(model=_model(), config=_config(2, nvme=path[first]), transport=t)
+        losses = train_steps(e, batches[:3])
+        e.save_checkpoint(str(Path(root) / f"ckpt-{first}"), tag="t3")
+        e.close()
+        e, *_ = zz.initialize(model=_model(), config=_config(2, nvme=path[second]), transport=t)
+        e.load_checkpoint(str(Path(root) / f"ckpt-{first}"), tag="t3")
+        losses += train_steps(e, batches[3:])
+        out[f"{first}->{second}"] = losses
+        e.close()
+    return out
+
+
+def test_checkpoints_move_between_nvme_and_memory_exactly(tmp_path):
+    for r in run_world(_checkpoint_roundtrip, 2, args=(str(tmp_path),), timeout=200):
+        assert r["nvme->memory"] == r["ref"]
+        assert r["memory->nvme"] == r["ref"]
+
+
+def _bad_path(t, path, fail_rank):
+    if fail_rank is not None and t.rank == fail_rank:  # this rank's disk is full
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.posix_fallocate = full
+    try:
+        zz.initialize(model=_model(), config=_config(2, nvme=path), transport=t)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_an_unwritable_nvme_path_fails_on_every_rank(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for msg in run_world(_bad_path, 2, args=(str(blocker / "swap"), None), timeout=90):
+        assert msg is not None and "offload_optimizer.nvme_path=" in msg and "a-file" in msg
+
+
+def test_a_full_disk_fails_on_every_rank_before_training(tmp_path):
+    for msg in run_world(_bad_path, 2, args=(str(tmp_path), 1), timeout=90):
+        assert msg is not None and "cannot reserve" in msg and "on rank 1 of 2" in msg
+        assert "No space left on device" in msg
+
+
+def test_the_swap_file_is_locked_truncated_and_removed(tmp_path):
+    aio = AioConfig()
+    stale = tmp_path / "zpp_swap" / "optimizer_rank00000.swp"
+    stale.parent.mkdir()
+    stale.write_bytes(b"x" * 10_000)  # a crashed run's file
+    a = SwapFile(str(tmp_path), 0, aio, reserve=8192)
+    assert a.path == stale and stale.stat().st_size == 8192  # truncated, then reserved afresh
+    with pytest.raises(ValueError, match="in use by another process"):
+        SwapFile(str(tmp_path), 0, aio)
+    a.close()
+    assert not stale.exists() and not stale.parent.exists()
+
+
+def test_a_refused_direct_transfer_falls_back_to_buffered_io_counted(tmp_path):
+    s = SwapFile(str(tmp_path), 3, AioConfig(), reserve=8192)
+    try:
+        if not s.direct:
+            pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT at open (the open-time fallback)")
+        data = bytearray(os.urandom(4097))
+        s._pwrite(memoryview(data)[1:], 0)  # misaligned: the kernel refuses it under O_DIRECT (EINVAL)
+        assert not s.direct and s.fallbacks == 1
+        back = bytearray(4096)
+        s._pread(memoryview(back), 0)
+        assert back == data[1:]
+        with pytest.raises(ValueError, match="in use"):  # the lock survived the reopen
+            SwapFile(str(tmp_path), 3, AioConfig())
+    finally:
+        s.close()
+
+
+def test_config_keys():
+    from zpp.zero.deepspeed_config import from_deepspeed
+
+    c = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 3, "pin_memory": True,
+        "pipeline_read": True, "fast_init": False}},
+        "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+                "overlap_events": True}})
+    off = c.zero.offload_optimizer
+    assert (off.device, off.nvme_path, off.buffer_count) == ("nvme", "/local_nvme", 3)
+    assert (c.aio.block_size, c.aio.queue_depth, c.aio.workers) == (262144, 32, 32)
+    with pytest.raises(ValueError, match="nvme_path"):
+        from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+    with pytest.raises(NotImplementedError, match="offload_param.device='nvme'"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+    with pytest.raises(ValueError, match="block_size"):
+        from_deepspeed({"aio": {"block_size": 5000}})
+    with pytest.raises(ValueError, match="buffer_count"):
+        from_deepspeed({"zero_optimization": {"stage": 1, "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/x", "buffer_count": 1}}})

@@ -1,0 +1,258 @@
+"""The NVMe tier: a rank's swap file and the host buffers its state streams through.
+
+[Note: NVMe swap]
+``zero_optimization.offload_optimizer.device: "nvme"`` keeps each unit's per-element
+optimizer state (Adam's two moments: 8 bytes per parameter of the 16 that ZeRO counts) in one
+file per rank, ``<nvme_path>/zpp_swap/optimizer_rankNNNNN.swp``, between steps. The step
+streams it through ``buffer_count`` host buffers, unit by unit (:mod:`zpp.zero.modes.nvme`):
+the next units' state is read while one unit steps, and each unit's updated state is written
+back while the next steps; the writes of the last units finish under the next forward.
+
+* A unit's state is one region of the file (its tensors back to back, each padded to 4 KiB)
+  and one region of a buffer, so each transfer is one range, split into ``aio.block_size``
+  requests run by ``aio.thread_count * aio.queue_depth`` worker threads with
+  ``pread``/``pwrite``, which release the GIL. The buffers are anonymous memory maps (page
+  aligned), so the file is opened with ``O_DIRECT`` and bypasses the page cache; a file
+  system that refuses it (tmpfs) gets buffered I/O, logged and counted
+  (:attr:`SwapFile.direct` False, ``fallbacks``).
+* The file is preallocated at initialize (``posix_fallocate``) for the state zpp expects
+  (two moments), so a disk without room fails then, on every rank, naming the path, and not
+  in the middle of a step; it grows if the optimizer keeps more.
+* The file is not a checkpoint: it is truncated when opened (a crashed run's file is never
+  read), locked (``flock``) against a second job on the same path, and removed at
+  ``engine.close()``. ``save_checkpoint`` reads the state back through the same buffers
+  into the usual verified shard files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from zpp.zero.offload_config import AioConfig
+
+log = logging.getLogger("zpp.zero")
+
+ALIGN = 4096
+SWAP_DIR = "zpp_swap"
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to the 4 KiB that direct I/O reads and writes in."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One state tensor of a region: its key, dtype and shape, and where it starts."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset inside the region (4 KiB aligned)
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Region:
+    """One unit's state in the file: ``[offset, offset + nbytes)``, its tensors in order."""
+
+    offset: int
+    nbytes: int
+    entries: tuple[Entry, ...]
+
+    @staticmethod
+    def layout(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Entry, ...], int]:
+        entries, at = [], 0
+        for k, t in tensors.items():
+            entries.append(Entry(k, t.dtype, tuple(t.shape), at))
+            at += padded(t.numel() * t.element_size())
+        return tuple(entries), at
+
+
+class Buffer:
+    """A page-aligned host buffer (an anonymous memory map) of ``nbytes``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, nbytes)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def view(self, e: Entry) -> torch.Tensor:
+        """The tensor of entry ``e`` in this buffer (shares its memory)."""
+        return self.bytes[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape)
+
+    def memory(self, nbytes: int) -> memoryview:
+        return memoryview(self._map)[:nbytes]
+
+
+class Transfer:
+    """Requests in flight for one region; :meth:`wait` returns once all are done and raises
+    the first error (an ``OSError`` naming the file)."""
+
+    def __init__(self, futures: list[Future], buffer: Buffer) -> None:
+        self.futures = futures
+        self.buffer = buffer
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> Buffer:
+        first = None
+        for f in self.futures:
+            exc = f.exception()
+            first = first or exc
+        if first is not None:
+            raise first
+        return self.buffer
+
+
+class SwapFile:
+    """One rank's swap file under ``nvme_path`` (see [Note: NVMe swap])."""
+
+    def __init__(self, nvme_path: str, rank: int, aio: AioConfig, *, reserve: int = 0) -> None:
+        self.path = Path(nvme_path) / SWAP_DIR / f"optimizer_rank{rank:05d}.swp"
+        self.aio = aio
+        self.direct = True
+        self.fallbacks = 0
+        self.read_bytes = self.written_bytes = 0
+        self.end = 0
+        self.busy_s = 0.0  # wall seconds with at least one request in flight
+        self._active, self._since = 0, 0.0
+        self._lock = threading.Lock()
+        where = f"offload_optimizer.nvme_path={nvme_path!r}"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = self._open()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot create the swap file {self.path}: {e.strerror or e}") from e
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(self.fd)
+            raise ValueError(f"{where}: the swap file {self.path} is in use by another process (two jobs on one "
+                             "nvme_path and rank); give each job its own nvme_path") from e
+        os.ftruncate(self.fd, 0)  # a crashed run's state is never read back
+        self.reserve(reserve)
+        self.pool = ThreadPoolExecutor(aio.workers, thread_name_prefix="zpp-nvme")
+
+    def _open(self) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            return os.open(self.path, flags | os.O_DIRECT, 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        self._fall_back("the file system refuses O_DIRECT")
+        return os.open(self.path, flags, 0o600)
+
+    def _fall_back(self, why: str) -> None:
+        self.direct = False
+        self.fallbacks += 1
+        log.warning("zpp: NVMe swap %s: %s; buffered I/O instead (through the page cache)", self.path, why)
+
+    def reserve(self, nbytes: int) -> None:
+        """Make sure the file holds ``nbytes`` on disk (``OSError`` ENOSPC if it cannot)."""
+        if nbytes > 0:
+            try:
+                os.posix_fallocate(self.fd, 0, padded(nbytes))
+            except OSError as e:
+                free = os.statvfs(self.path.parent)
+                raise ValueError(f"offload_optimizer.nvme_path={str(self.path.parent.parent)!r}: cannot reserve "
+                                 f"{padded(nbytes):,} bytes for the swap file {self.path} "
+                                 f"({free.f_bavail * free.f_frsize:,} bytes free): {e.strerror or e}") from e
+
+    def allocate(self, nbytes: int) -> int:
+        """A new region of ``nbytes`` (4 KiB aligned) at the end of the file; its offset."""
+        offset, self.end = self.end, self.end + padded(nbytes)
+        self.reserve(self.end)
+        return offset
+
+    # ------------------------------------------------------------------ transfers
+    def write(self, region: Region, buffer: Buffer) -> Transfer:
+        """Write ``region``'s bytes from ``buffer`` (asynchronous)."""
+        self.written_bytes += region.nbytes
+        return self._submit(self._pwrite, region, buffer)
+
+    def read(self, region: Region, buffer: Buffer) -> Transfer:
+        """Read ``region`` into ``buffer`` (asynchronous)."""
+        self.read_bytes += region.nbytes
+        return self._submit(self._pread, region, buffer)
+
+    def _submit(self, fn, region: Region, buffer: Buffer) -> Transfer:
+        mem, bs = buffer.memory(region.nbytes), self.aio.block_size
+        return Transfer([self.pool.submit(fn, mem[i:i + bs], region.offset + i)
+                         for i in range(0, region.nbytes, bs)], buffer)
+
+    def _pwrite(self, mem: memoryview, offset: int) -> None:
+        self._io(os.pwrite, mem, offset)
+
+    def _pread(self, mem: memoryview, offset: int) -> None:
+        self._io(lambda fd, m, off: os.preadv(fd, [m], off), mem, offset)
+
+    def _io(self, call, mem: memoryview, offset: int) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+        try:
+            self._transfer(call, mem, offset)
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self.busy_s += time.perf_counter() - self._since
+
+    def _transfer(self, call, mem: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(mem):
+            try:
+                n = call(self.fd, mem[done:], offset + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and self.direct:
+                    self._reopen_buffered()
+                    continue
+                raise OSError(e.errno, f"NVMe swap {self.path}: {e.strerror}") from e
+            if n == 0:
+                raise OSError(errno.EIO, f"NVMe swap {self.path}: short transfer at byte {offset + done}")
+            done += n
+
+    def _reopen_buffered(self) -> None:
+        with self._lock:
+            if self.direct:
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                os.dup2(fd, self.fd)  # the same descriptor number, now without O_DIRECT
+                os.close(fd)
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lock went with the old description
+                self._fall_back("a direct transfer was refused (EINVAL)")
+
+    def close(self, *, remove: bool = True) -> None:
+        """Stop the workers, close and (Default) remove the file."""
+        self.pool.shutdown(wait=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            if remove:
+                self.path.unlink(missing_ok=True)
+                try:
+                    self.path.parent.rmdir()
+                except OSError:
+                    pass  # other ranks' files are still there
+
+    def stats(self) -> dict[str, object]:
+        return {"path": str(self.path), "direct": self.direct, "fallbacks": self.fallbacks,
+                "read_bytes": self.read_bytes, "written_bytes": self.written_bytes, "file_bytes": self.end,
+                "busy_s": self.busy_s}
+
