@@ -69,8 +69,9 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="zero2,zero2-nvme,zero3,zero3-nvme")
     p.add_argument("--json", default=None)
     args, extra = p.parse_known_args(argv)
-    extra = extra or ["--n-layer", "8", "--n-embd", "512", "--n-head", "8", "--block", "128", "--batch", "4",
-                      "--steps", "4", "--warmup", "1"]
+    # the 25M benchmark GPT; train_bench options given here come after, so they win
+    extra = ["--n-layer", "8", "--n-embd", "512", "--n-head", "8", "--block", "128", "--batch", "4", "--steps", "4",
+             "--warmup", "1", "--ranks-per-node", str(args.world), *extra]
     d = disk(args.nvme_path, args.dd_mib)
     print(f"# dd on {args.nvme_path}: write {d['write_Bps'] / 1e6:.0f} MB/s, read {d['read_Bps'] / 1e6:.0f} MB/s "
           f"(direct I/O, 1 MiB blocks, {args.dd_mib} MiB)")
