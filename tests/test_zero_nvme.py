@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import zpp.zero as zz
-from tests.dist import run_world
+from tests.dist import run_world, timed_call
 from tests.gpt import GPT, GPTConfig
 from tests.test_zero_engine import _batches, train_steps
 from zpp.zero.memory import model_state_bytes
@@ -136,6 +139,109 @@ def test_a_full_disk_fails_on_every_rank_before_training(tmp_path):
     for msg in run_world(_bad_path, 2, args=(str(tmp_path), 1), timeout=90):
         assert msg is not None and "cannot reserve" in msg and "on rank 1 of 2" in msg
         assert "No space left on device" in msg
+
+
+def _corrupt(t, root):
+    batches = _batches("gpt", t.rank, 3)
+    e, *_ = zz.initialize(model=_model(), config=_config(2, nvme=str(Path(root) / "swap")), transport=t)
+    train_steps(e, batches[:2])
+    e.save_checkpoint(str(Path(root) / "ckpt"), tag="good")
+    e.mode("nvme")._finish_writes()
+    if t.rank == 1:  # something else writes into rank 1's swap file
+        fd = os.open(e.mode("nvme").swap.path, os.O_WRONLY)
+        os.pwrite(fd, b"\xff" * 16, 4096)
+        os.fsync(fd)
+        os.close(fd)
+    out = {}
+    try:
+        e.save_checkpoint(str(Path(root) / "ckpt"), tag="bad")
+    except Exception as ex:  # noqa: BLE001
+        out["save"] = (type(ex).__name__, str(ex))
+    out["latest"] = (Path(root) / "ckpt" / "latest").read_text().strip()
+    out["tags"] = sorted(p.name for p in (Path(root) / "ckpt").iterdir() if not p.name.startswith("."))
+    try:  # the step reads it too: rank 1 raises before its optimizer sees it (rank 0 then loses rank 1)
+        x, y = batches[2]
+        e.backward(e(x, y))
+        e.step()
+    except OSError as ex:
+        out["step"] = str(ex)
+    return out
+
+
+def test_a_corrupted_swap_file_is_never_read_into_a_checkpoint_or_the_step(tmp_path):
+    res = run_world(_corrupt, 2, args=(str(tmp_path),), timeout=120, transport_kwargs={"timeout_s": 20})
+    for rank, r in enumerate(res):
+        kind, msg = r["save"]
+        assert kind == "CheckpointError" and "corrupt" in msg and "optimizer_rank00001.swp" in msg, (rank, msg)
+        assert "on rank 1 of 2" in msg and "nothing was published" in msg
+        assert r["latest"] == "good" and r["tags"] == ["good", "latest"], r
+    assert "is corrupt" in res[1]["step"] and "bytes at offset 0 have CRC32" in res[1]["step"]  # its 8 KiB request
+
+
+def _crash(t, root, where):
+    from zpp.zero.checkpoint import save
+    from zpp.zero.modes.nvme import NvmeMode
+
+    batches = _batches("gpt", t.rank, 6)
+    e, *_ = zz.initialize(model=_model(), config=_config(2, nvme=str(Path(root) / "swap")), transport=t)
+    train_steps(e, batches[:3])
+    e.save_checkpoint(str(Path(root) / "ckpt"))
+    if t.rank == 1:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if where == "step":  # after the step's first unit went to the file, in the middle of the rest
+            real, calls = NvmeMode._swap_out, []
+
+            def swap_out(self, *args):
+                calls.append(1)
+                if len(calls) == 2:
+                    die()
+                return real(self, *args)
+            NvmeMode._swap_out = swap_out
+        else:  # the save's shard written, before the ranks agree
+            save.crash_point = lambda at: die() if at == "written" else None
+
+    def go():
+        train_steps(e, batches[3:5])
+        e.save_checkpoint(str(Path(root) / "ckpt"))
+    return timed_call(go)
+
+
+def _resume(t, root):
+    batches = _batches("gpt", t.rank, 6)
+    e, *_ = zz.initialize(model=_model(), config=_config(2), transport=t)
+    ref = train_steps(e, batches)
+    e.close()
+    swap = Path(root) / "swap" / "zpp_swap" / f"optimizer_rank{t.rank:05d}.swp"
+    left = any(swap.read_bytes()) if swap.exists() else None  # the crashed run's file (no close removed it)
+    e, *_ = zz.initialize(model=_model(), config=_config(2, nvme=str(Path(root) / "swap")), transport=t)
+    fresh = e.mode("nvme").swap.stats()["read_bytes"], any(swap.read_bytes())
+    path, _ = e.load_checkpoint(str(Path(root) / "ckpt"))
+    out = {"tag": Path(path).name, "exact": train_steps(e, batches[3:]) == ref[3:], "left": left, "fresh": fresh}
+    e.close()
+    return out
+
+
+@pytest.mark.parametrize("where", ["step", "save"])
+def test_a_rank_killed_mid_step_or_mid_save_resumes_exactly_from_the_last_tag(tmp_path, where):
+    res = run_world(_crash, 2, args=(str(tmp_path), where), timeout=120, transport_kwargs={"timeout_s": 20},
+                    return_exceptions=True)
+    assert isinstance(res[1], Exception) and "exit code -9" in str(res[1]), res[1]
+    kind, secs, msg = res[0]
+    assert kind in ("ConnectionError", "TimeoutError"), (kind, msg)
+    res = run_world(_resume, 2, args=(str(tmp_path),), timeout=150)
+    for r in res:
+        assert r["tag"] == "global_step3" and r["exact"], r
+        assert r["fresh"] == (0, False), r  # a fresh file (zeros where old state was), nothing read
+    assert res[1]["left"] is True  # rank 1 was killed: its file, with its state, stayed and was truncated
+
+
+def test_an_unclosed_swap_file_goes_at_interpreter_exit(tmp_path):
+    code = ("import sys; from zpp.zero.nvme import SwapFile; from zpp.zero.offload_config import AioConfig; "
+            f"s = SwapFile({str(tmp_path)!r}, 0, AioConfig(), reserve=8192); print(s.path)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    path = Path(out.stdout.strip())
+    assert path.parent.parent == tmp_path and not path.exists() and not path.parent.exists()
 
 
 def test_the_swap_file_is_locked_truncated_and_removed(tmp_path):

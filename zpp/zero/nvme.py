@@ -18,6 +18,10 @@ back while the next steps; the writes of the last units finish under the next fo
 * The file is preallocated at initialize (``posix_fallocate``) for the state zpp expects
   (two moments), so a disk without room fails then, on every rank, naming the path, and not
   in the middle of a step; it grows if the optimizer keeps more.
+* Every request's CRC32 is kept in memory when it is written (in the worker, which releases
+  the GIL) and checked when it is read back: a file changed under zpp (the disk, another
+  process) raises ``OSError`` naming the file and offset, in the step or in the checkpoint
+  that read it, and never enters the optimizer or a checkpoint.
 * The file is not a checkpoint: it is truncated when opened (a crashed run's file is never
   read), locked (``flock``) against a second job on the same path, and removed at
   ``engine.close()``. ``save_checkpoint`` reads the state back through the same buffers
@@ -33,6 +37,8 @@ import mmap
 import os
 import threading
 import time
+import weakref
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -130,6 +136,7 @@ class SwapFile:
         self.read_bytes = self.written_bytes = 0
         self.end = 0
         self.busy_s = 0.0  # wall seconds with at least one request in flight
+        self._crcs: dict[int, int] = {}  # file offset of each request -> CRC32 of what was written there
         self._active, self._since = 0, 0.0
         self._lock = threading.Lock()
         where = f"offload_optimizer.nvme_path={nvme_path!r}"
@@ -145,6 +152,8 @@ class SwapFile:
             raise ValueError(f"{where}: the swap file {self.path} is in use by another process (two jobs on one "
                              "nvme_path and rank); give each job its own nvme_path") from e
         os.ftruncate(self.fd, 0)  # a crashed run's state is never read back
+        # removed at close, or at interpreter exit if no close came (a killed process leaves it)
+        self._remove = weakref.finalize(self, _remove, self.fd, self.path)
         self.reserve(reserve)
         self.pool = ThreadPoolExecutor(aio.workers, thread_name_prefix="zpp-nvme")
 
@@ -197,10 +206,18 @@ class SwapFile:
                          for i in range(0, region.nbytes, bs)], buffer)
 
     def _pwrite(self, mem: memoryview, offset: int) -> None:
+        self._crcs[offset] = zlib.crc32(mem)  # before the write: what the file must give back
         self._io(os.pwrite, mem, offset)
 
     def _pread(self, mem: memoryview, offset: int) -> None:
         self._io(lambda fd, m, off: os.preadv(fd, [m], off), mem, offset)
+        want, got = self._crcs.get(offset), zlib.crc32(mem)
+        if got != want:
+            raise OSError(errno.EIO, f"NVMe swap {self.path} is corrupt: the {len(mem):,} bytes at offset {offset:,} "
+                                     f"have CRC32 {got:#010x}, written as "
+                                     f"{'never' if want is None else f'{want:#010x}'} (the disk, or another "
+                                     "process, changed the file); the optimizer state there is lost: load the "
+                                     "last checkpoint")
 
     def _io(self, call, mem: memoryview, offset: int) -> None:
         with self._lock:
@@ -238,21 +255,22 @@ class SwapFile:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lock went with the old description
                 self._fall_back("a direct transfer was refused (EINVAL)")
 
-    def close(self, *, remove: bool = True) -> None:
-        """Stop the workers, close and (Default) remove the file."""
+    def close(self) -> None:
+        """Stop the workers, close and remove the file."""
         self.pool.shutdown(wait=True)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-            if remove:
-                self.path.unlink(missing_ok=True)
-                try:
-                    self.path.parent.rmdir()
-                except OSError:
-                    pass  # other ranks' files are still there
+        self._remove()
+        self.fd = -1
 
     def stats(self) -> dict[str, object]:
         return {"path": str(self.path), "direct": self.direct, "fallbacks": self.fallbacks,
                 "read_bytes": self.read_bytes, "written_bytes": self.written_bytes, "file_bytes": self.end,
                 "busy_s": self.busy_s}
 
+
+def _remove(fd: int, path: Path) -> None:
+    os.close(fd)
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass  # other ranks' files are still there
