@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check of zpp.quant's CUDA kernels, in one run of under 5 minutes (the step time
-# limits below add up to 300 s):
+# The GPU check of zpp.quant's CUDA kernels and the offload paths, in one run of under 8 minutes
+# (the step time limits below add up to 450 s):
 #   1. nvidia-smi, torch / CUDA / cupy versions;
 #   2. NVRTC compile of cuda/quant.cu (cupy, first use), then
 #      python -m pytest tests/test_quant_cuda.py: every kernel, the 1-bit ones
 #      (onebit_compress, signs_weighted_sum, unpack_scaled) included, bit-exact against the
 #      reference with poisoned outputs;
-#   3. perf/quant_bench_cuda.py: quantize / dequantize / reduce / signs / 1-bit bandwidth
+#   3. tests/test_zero_offload.py and tests/test_zero_nvme.py's CUDA cases (ZeRO-Offload and the
+#      NVMe tier: GPU -> host -> NVMe, the losses of offload "cpu");
+#   4. perf/quant_bench_cuda.py: quantize / dequantize / reduce / signs / 1-bit bandwidth
 #      against torch's device-to-device copy at 64 and 256 MiB.
 # Everything printed also goes to $OUT/gpu_check.log (and the bench to
 # $OUT/quant_bench_cuda.json) when $OUT is set. Exits non-zero when cupy is missing, a test
@@ -66,6 +68,9 @@ print(f'compiled {len(cuda._NAMES)} kernels in {time.time() - t:.1f} s')
     echo
     echo "== tests"
     timeout 150 python -m pytest tests/test_quant_cuda.py -q -rs -p no:cacheprovider || rc=4
+    echo
+    echo "== ZeRO-Offload and the NVMe tier on CUDA (host step; losses against offload cpu)"
+    timeout 150 python -m pytest tests/test_zero_offload.py tests/test_zero_nvme.py -m gpu -q -rs -p no:cacheprovider || rc=6
     echo
     echo "== bench"
     timeout 60 python perf/quant_bench_cuda.py --sizes 64 256 ${bench_json:+--json "$bench_json"} || rc=5

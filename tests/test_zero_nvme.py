@@ -294,3 +294,37 @@ def test_config_keys():
     with pytest.raises(ValueError, match="buffer_count"):
         from_deepspeed({"zero_optimization": {"stage": 1, "offload_optimizer": {
             "device": "nvme", "nvme_path": "/x", "buffer_count": 1}}})
+
+
+def test_on_a_cuda_job_the_masters_and_the_step_are_on_the_host():
+    from zpp.zero.deepspeed_config import from_deepspeed
+    from zpp.zero.offload import Offload
+
+    cfg = from_deepspeed(_config(2, nvme="/x"))
+    assert Offload.from_config(cfg, torch.device("cuda", 0)) == Offload(optimizer=True)
+    assert Offload.from_config(cfg, torch.device("cpu")) == Offload()  # there already
+
+
+def _cuda(t, stage, nvme):
+    batches = [(x.cuda(), y.cuda()) for x, y in _batches("gpt", t.rank, 4)]
+    out = {}
+    for name in ("cpu", "nvme"):
+        cfg = _config(stage, nvme=nvme if name == "nvme" else None)
+        if name == "cpu":
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        engine, *_ = zz.initialize(model=_model().cuda(), config=cfg, transport=t)
+        out[name] = (train_steps(engine, batches), _masters(engine), engine.units[0].flat.master.device.type)
+        engine.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_on_cuda_equals_cpu_offload(tmp_path, stage):
+    """GPU -> host -> NVMe: the same host step as offload_optimizer "cpu", so the same bits."""
+    for r in run_world(_cuda, 1, args=(stage, str(tmp_path)), timeout=150, backend="torch"):
+        (cl, cm, cdev), (nl, nm, ndev) = r["cpu"], r["nvme"]
+        assert cdev == ndev == "cpu" and nl == cl
+        for a, b in zip(nm, cm, strict=True):
+            assert torch.equal(a, b)

@@ -103,6 +103,8 @@ class NvmeMode(Mode):
         grads = [u.flat.master.grad for u in todo]
         for u in todo:
             u.flat.master.grad = None
+        if any(u.flat.master is not None and u.flat.master.grad is not None for u in trained):
+            optimizer.step()  # what is not swapped (empty shards) steps in memory, once
         reads: dict[int, Transfer] = {}
         ahead = max(1, self.buffer_count - 1)
 
