@@ -1,0 +1,112 @@
+"""A job under a memory cap: in memory it is killed, with the optimizer state on NVMe it trains.
+
+    sudo python perf/nvme_cap.py --cap-mib 2300 --json perf/results/nvme_cap.json
+
+Each run is perf/train_bench.py (2 gloo ranks, stage 3, AdamW, the same data) started inside
+a fresh cgroup (v1 ``memory`` controller, or v2) whose limit is ``--cap-mib`` for the whole
+job: both ranks, their threads and the page cache they cause. The run in memory and the run
+with ``offload_optimizer.device: "nvme"`` get the same cap; then both run again without a cap
+for the reference losses and the job's peak (the cgroup's ``max_usage_in_bytes`` /
+``memory.peak``). Changes the host (a cgroup under /sys/fs/cgroup, removed after): root only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import runinfo  # noqa: E402
+
+V1 = Path("/sys/fs/cgroup/memory")
+V2 = Path("/sys/fs/cgroup")
+
+
+class Cgroup:
+    """A memory cgroup of ``limit`` bytes (None: no limit) for one command."""
+
+    def __init__(self, name: str, limit: int | None) -> None:
+        self.v1 = (V1 / "memory.limit_in_bytes").exists()
+        self.path = (V1 if self.v1 else V2) / name
+        self.path.mkdir()
+        if limit is not None:
+            (self.path / ("memory.limit_in_bytes" if self.v1 else "memory.max")).write_text(str(limit))
+            if self.v1 and (self.path / "memory.memsw.limit_in_bytes").exists():
+                (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))  # no escape into swap
+            elif not self.v1:
+                (self.path / "memory.swap.max").write_text("0")
+
+    def peak(self) -> int:
+        return int((self.path / ("memory.max_usage_in_bytes" if self.v1 else "memory.peak")).read_text())
+
+    def failcnt(self) -> int:
+        if self.v1:
+            return int((self.path / "memory.failcnt").read_text())
+        events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
+        return int(events.get("oom_kill", 0))
+
+    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        procs = self.path / "cgroup.procs"
+        shell = f"echo $$ > {procs} && exec \"$@\""
+        return subprocess.run(["sh", "-c", shell, "sh", *cmd], capture_output=True, text=True, timeout=timeout)
+
+    def remove(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def one(variant: str, cap: int | None, args, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(HERE / "train_bench.py"), "--world", "2", "--variants", variant,
+               "--nvme-path", str(args.nvme_path), "--json", str(out), *extra]
+        cg = Cgroup(f"zpp-cap-{os.getpid()}-{variant}-{'cap' if cap else 'free'}", cap)
+        try:
+            proc = cg.run(cmd, timeout=args.timeout)
+            rec = {"variant": variant, "cap_bytes": cap, "rc": proc.returncode, "peak_bytes": cg.peak(),
+                   "limit_hits": cg.failcnt()}
+        finally:
+            cg.remove()
+        if proc.returncode == 0:
+            row = json.loads(out.read_text())["rows"][0]
+            rec.update(row=row, losses=row.get("losses"), loss=row["loss"])
+        else:
+            rec["error"] = proc.stderr[-1500:]
+        return rec
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cap-mib", type=int, required=True)
+    p.add_argument("--nvme-path", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "zpp-nvme-cap")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", default=None)
+    args, extra = p.parse_known_args(argv)
+    extra = ["--n-layer", "8", "--n-embd", "1024", "--n-head", "16", "--block", "128", "--batch", "2", "--steps",
+             "3", "--warmup", "1", "--ranks-per-node", "2", *extra]
+    cap = args.cap_mib << 20
+    runs = [one(v, c, args, extra) for v in ("zero3", "zero3-nvme") for c in (cap, None)]
+    psi = next((r["row"]["params"] for r in runs if "row" in r), None)
+    print(f"# cap {args.cap_mib} MiB for the job (2 ranks); GPT params {psi}; 16 Psi = "
+          f"{16 * psi / 2**20:.0f} MiB = {16 * psi / cap:.2f}x the cap" if psi else "# no run finished")
+    for r in runs:
+        what = "ok" if r["rc"] == 0 else f"rc {r['rc']} (killed)" if r["rc"] < 0 or r["rc"] == 137 else f"rc {r['rc']}"
+        print(f"{r['variant']:<12}{'capped' if r['cap_bytes'] else 'free':<8}{what:<18}peak "
+              f"{r['peak_bytes'] / 2**20:7.0f} MiB  limit hits {r['limit_hits']:>6}"
+              + (f"  step {r['row']['step_s']:.2f} s  loss {r['loss']:.4f}" if r["rc"] == 0 else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**runinfo.provenance(), "cap_bytes": cap, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
