@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -716,3 +717,57 @@ def test_background_sync_beside_the_scripts_own_collectives(backend):
         (quiet, bg_quiet), (talking, bg_talking) = r[False], r[True]
         assert bg_quiet > 0 and bg_talking == bg_quiet  # the syncs ran in the background both times
         assert talking == quiet  # the script's collectives change nothing
+
+
+def _auto_delay(t, tmp, slow_s):
+    """delay 'auto' on 2 nodes x 2: each sync held ``slow_s`` (a slow link), the inner step fast."""
+    from zpp.zero.outer import sync as sync_mod
+
+    real = sync_mod.OuterSync._timed
+
+    def slow(self, reducer, delta):
+        time.sleep(slow_s * (1 + self.world.rank))  # the ranks measure differently: they must agree
+        return real(self, reducer, delta)
+    sync_mod.OuterSync._timed = slow
+    outer = {"sync_every": 4, "fragments": 2, "delay": "auto", "compression": "none"}
+    batches = _batches("gpt", t.rank, 10)
+    engine = _engine(t, _cfg(1, outer))
+    chosen = []
+    for x, y in batches[:6]:
+        engine.backward(engine(x, y))
+        engine.step()
+        chosen.append(engine.outer.stats.chosen_delay)
+    engine.save_checkpoint(tmp, tag="t6")
+    losses = train_steps(engine, batches[6:])
+    engine.close()
+    sync_mod.OuterSync._timed = real  # the resumed engine measures nothing: the delay comes with the checkpoint
+    again = _engine(t, _cfg(1, outer))
+    again.load_checkpoint(tmp, tag="t6")
+    out = {"chosen": chosen, "resumed": again.outer.stats.chosen_delay, "sched": again.outer.schedule.delay,
+           "exact": train_steps(again, batches[6:]) == losses}
+    again.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_delay_auto_covers_the_slowest_sync_and_every_rank_agrees(tmp_path):
+    import json
+
+    res = run_world(_auto_delay, 4, ranks_per_node=2, args=(str(tmp_path), 0.2), timeout=170)
+    for r in res:
+        # 1 until the first update lands (H=4, F=2: the sync started after step 2 lands after step 3),
+        # then the slowest rank's 0.8 s sync over sub-second steps: more than 1, capped at H - 1 = 3
+        assert r["chosen"][:2] == [None, None] and r["chosen"][2] is not None, r["chosen"]
+        assert len(set(r["chosen"][2:])) == 1 and 1 < r["chosen"][2] <= 3, r["chosen"]
+        assert r["resumed"] == r["sched"] == r["chosen"][-1] and r["exact"], r
+    assert len({json.dumps(r["chosen"]) for r in res}) == 1  # the same on every rank
+
+
+def test_delay_auto_config():
+    assert OuterConfig(sync_every=4, delay="auto").delay == "auto"
+    with pytest.raises(ValueError, match="delay='auto' needs sync_every >= 2"):
+        OuterConfig(sync_every=1, delay="auto")
+    with pytest.raises(ValueError, match="delay"):
+        OuterConfig(sync_every=4, delay="soon")
+    cfg = from_deepspeed({"zpp": {"outer": {"sync_every": 8, "delay": "auto"}}})
+    assert cfg.zpp.outer.delay == "auto"

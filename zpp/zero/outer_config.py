@@ -84,10 +84,12 @@ class OuterConfig:
     """F: each rank's trainable weights cut into this many pieces of equal size, each
     synced once per ``sync_every`` steps on its own staggered schedule, so the inter-node
     traffic is spread over the steps (Streaming DiLoCo) (Default: 1)."""
-    delay: int = 0
+    delay: int | str = 0
     """tau: inner steps from the start of a fragment's sync to the application of its outer
     update, during which the sync runs in the background; 0: the step waits for it. Must be
-    below ``sync_every`` (Default: 0)."""
+    below ``sync_every``. ``"auto"``: 1 until the first update lands, then the fewest steps
+    that cover the slowest sync measured so far (its seconds over the mean inner step's,
+    rounded up, at most ``sync_every - 1``), the same on every rank (Default: 0)."""
     mix: float = 0.5
     """With ``delay`` > 0: when a fragment's update lands, its weights become
     ``mix * local + (1 - mix) * synced`` (Streaming DiLoCo's merge of the tau local steps);
@@ -107,7 +109,12 @@ class OuterConfig:
         if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2:
             raise fail(w, "group_size", g, "a positive even integer")
         check_int(w, "fragments", self.fragments, lo=1)
-        check_int(w, "delay", self.delay, lo=0, hi=self.sync_every - 1)
+        if self.delay == "auto":
+            if self.sync_every < 2:
+                raise ValueError(f"{w}: delay='auto' needs sync_every >= 2 (a delay below it), got "
+                                 f"sync_every={self.sync_every}")
+        else:
+            check_int(w, "delay", self.delay, lo=0, hi=self.sync_every - 1)
         check_number(w, "mix", self.mix, lo=0, hi=1)
         if self.method == "average" and self.lr not in (None, 1, 1.0):
             raise ValueError(f"{w}: lr={self.lr!r} with method='average' (which is lr 1 without momentum); "

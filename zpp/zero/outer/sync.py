@@ -58,6 +58,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -91,6 +92,8 @@ class OuterStats:
     checkpoints])."""
     wait_s: float = 0.0
     """Seconds the steps spent waiting for a sync to finish (without delay: the whole sync)."""
+    chosen_delay: int | None = None
+    """With ``delay: "auto"``: the delay chosen when the first update landed (None before)."""
     foreground: int = 0
     """Syncs with ``delay`` > 0 run inside the step instead of in the background, because the
     inter-node transport cannot run on a second thread (``Transport.thread_safe`` false: an
@@ -102,6 +105,7 @@ class _Pending:
     start: int
     delta: torch.Tensor
     future: concurrent.futures.Future | None
+    delay: int = 0  # steps from start to landing (the schedule's when the sync started)
 
 
 class OuterSync:
@@ -114,14 +118,19 @@ class OuterSync:
         node: this rank's node index (which replica it trains).
     """
 
-    def __init__(self, units: Sequence[Unit], config: OuterConfig, inter: Transport, *, node: int) -> None:
+    def __init__(self, units: Sequence[Unit], config: OuterConfig, inter: Transport, *, node: int,
+                 world: Transport | None = None) -> None:
         self.config = config
         self.inter = inter
         self.node = node
         self.units = tuple(u for u in units if u.trainable)
         if not self.units:
             raise ValueError("zpp.outer: the model has no trainable parameters to sync")
-        self.schedule = Schedule(config.sync_every, config.fragments, config.delay)
+        self.auto = config.delay == "auto"  # see [Note: delay auto]
+        self.world = world if world is not None else inter  # where the ranks agree on the chosen delay
+        self.schedule = Schedule(config.sync_every, config.fragments, 1 if self.auto else config.delay)
+        self._sync_s: list[float] = []  # seconds of each sync, as its worker (or the step) ran it
+        self._step_at: list[float] = []  # when each inner step ended (until the delay is chosen)
         self.fragments: tuple[Fragment, ...] = cut([u.layout.shard_numel for u in self.units], config.fragments)
         self.lr, self.momentum, self.nesterov = config.outer_lr, config.outer_momentum, config.nesterov
         self.anchors = [u.flat.master.detach().clone() for u in self.units]
@@ -132,12 +141,12 @@ class OuterSync:
         self.stats = OuterStats()
         self._slot = {id(u): i for i, u in enumerate(self.units)}
         self._pending: dict[int, _Pending] = {}
-        background = config.delay > 0 and inter.world_size > 1
+        background = self.schedule.delay > 0 and inter.world_size > 1
         self._foreground = background and not inter.thread_safe
         if self._foreground and inter.rank == 0:
             log.warning("zpp.outer: the %s transport cannot run collectives on a second thread (MPI without "
                         "MPI_THREAD_MULTIPLE): the syncs with delay=%d run inside the step (counted in "
-                        "engine.outer.stats.foreground)", inter.name, config.delay)
+                        "engine.outer.stats.foreground)", inter.name, self.schedule.delay)
         self._worker = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zpp-outer")
                         if background and not self._foreground else None)
 
@@ -154,9 +163,13 @@ class OuterSync:
         self.position += 1
         p, s = self.position, self.schedule
         landed = self.stats.landed
-        if s.delay:
-            for f in s.landing(p):
+        if self.auto and self.stats.chosen_delay is None:
+            self._step_at.append(time.perf_counter())
+        if s.delay:  # each pending sync lands the delay it started with after its start
+            for f in sorted(f for f, q in self._pending.items() if q.delay and p - q.start >= q.delay):
                 self._land(f)
+        if self.auto and self.stats.chosen_delay is None and self.stats.landed > 0:
+            self._choose_delay()
         starting = s.starting(p)
         for f in starting:
             self._start(f)
@@ -164,6 +177,24 @@ class OuterSync:
             for f in starting:
                 self._land(f)
         return self.stats.landed > landed
+
+    def _choose_delay(self) -> None:
+        """[Note: delay auto] At the step the first outer update lands (the same step on
+        every rank), the delay becomes the fewest inner steps covering the slowest sync
+        measured (at least 1, below H), agreed as the maximum over every rank of the job."""
+        steps = [b - a for a, b in zip(self._step_at, self._step_at[1:])]
+        step_s = sum(steps) / len(steps) if steps else 0.0
+        sync_s = max(self._sync_s, default=0.0)
+        want = math.ceil(sync_s / step_s) if step_s > 0 else 1
+        d = torch.tensor([float(min(max(want, 1), self.schedule.sync_every - 1))])
+        self.world.all_reduce(d, op="max")
+        chosen = int(d.item())
+        self.schedule = Schedule(self.schedule.sync_every, self.schedule.fragments, chosen)
+        self.stats.chosen_delay = chosen
+        self._step_at.clear()
+        if self.world.rank == 0:
+            log.info("zpp.outer: delay 'auto' chose %d (slowest sync %.3f s, inner step %.3f s on rank 0)", chosen,
+                     sync_s, step_s)
 
     def _start(self, f: int) -> None:
         frag = self.fragments[f]
@@ -175,15 +206,21 @@ class OuterSync:
             off += pc.numel
         reducer = self.reducers[f]
         if self._worker is not None:  # see [Note: background outer sync]
-            future = self._worker.submit(reducer, delta)
+            future = self._worker.submit(self._timed, reducer, delta)
         else:
             t0 = time.perf_counter()
-            reducer(delta)
+            self._timed(reducer, delta)
             self.stats.wait_s += time.perf_counter() - t0
             self.stats.foreground += self._foreground
             future = None
-        self._pending[f] = _Pending(self.position, delta, future)
+        self._pending[f] = _Pending(self.position, delta, future, self.schedule.delay)
         self.stats.started += 1
+
+    def _timed(self, reducer: OuterReduce, delta: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        reducer(delta)
+        if self.auto and self.stats.chosen_delay is None:
+            self._sync_s.append(time.perf_counter() - t0)
 
     def _land(self, f: int) -> None:
         pending = self._pending.pop(f, None)
@@ -260,6 +297,7 @@ class OuterSync:
         """This rank's schedule position, pending syncs (waited for) and error feedback."""
         self.wait()
         return {"signature": self.signature(), "position": self.position, "node": self.node,
+                "chosen_delay": self.stats.chosen_delay,
                 "pending": {f: {"start": p.start, "delta": p.delta.clone()} for f, p in self._pending.items()},
                 "reduce": [r.state_dict() for r in self.reducers],
                 "stats": dataclasses.asdict(self.stats)}
@@ -277,9 +315,13 @@ class OuterSync:
             self.stats.dropped += dropped
             return
         self.position = int(state["position"])
+        if self.auto and state.get("chosen_delay") is not None:  # chosen before the save: kept
+            chosen = int(state["chosen_delay"])
+            self.schedule = Schedule(self.schedule.sync_every, self.schedule.fragments, chosen)
+            self.stats.chosen_delay = chosen
         if own and state.get("signature") == self.signature():
             for f, p in state["pending"].items():
-                self._pending[int(f)] = _Pending(int(p["start"]), p["delta"].clone(), None)
+                self._pending[int(f)] = _Pending(int(p["start"]), p["delta"].clone(), None, self.schedule.delay)
             for r, sd in zip(self.reducers, state["reduce"], strict=True):
                 if sd:
                     r.load_state_dict(sd)
