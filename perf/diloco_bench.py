@@ -142,6 +142,7 @@ def _run(t, name, seed, args, data) -> dict:
         if engine.outer is not None:
             s = engine.outer.stats
             row["outer"] = {**_outer(args), "started": s.started, "landed": s.landed, "wait_s": s.wait_s,
+                            "chosen_delay": s.chosen_delay,
                             "state_bytes": engine.model_state_bytes().get("outer")}
         engine.close()
     else:
@@ -289,7 +290,8 @@ def parser():
     p.add_argument("--inner-stage", type=int, default=2, help="the hierarchical mode's ZeRO stage inside the node")
     p.add_argument("--sync-every", type=int, default=50, help="zpp.outer.sync_every (H)")
     p.add_argument("--fragments", type=int, default=4, help="zpp.outer.fragments")
-    p.add_argument("--delay", type=int, default=1, help="zpp.outer.delay (tau)")
+    p.add_argument("--delay", type=lambda v: v if v == "auto" else int(v), default=1,
+                   help="zpp.outer.delay (tau), or auto")
     p.add_argument("--outer-compression", default="int4", help="zpp.outer.compression")
     p.add_argument("--outer-method", default="diloco", choices=("diloco", "sgd", "average"), help="zpp.outer.method")
     p.add_argument("--outer-lr", type=float, default=None, help="zpp.outer.lr (default: the method's, 0.7 for diloco)")
@@ -326,7 +328,7 @@ def main(argv=None):
         p.error(f"--seeds={args.seeds!r}: comma-separated integers")
     if args.steps < 1 or args.window < 1 or not args.seeds:
         p.error(f"--steps={args.steps} and --window={args.window} must be >= 1, --seeds non-empty")
-    if not 0 <= args.delay < args.sync_every:
+    if args.delay != "auto" and not 0 <= args.delay < args.sync_every:
         p.error(f"--delay={args.delay} must be in [0, --sync-every={args.sync_every})")
     trainlib.launch(_rank_main, args)
 
