@@ -154,7 +154,11 @@ class SwapFile:
         os.ftruncate(self.fd, 0)  # a crashed run's state is never read back
         # removed at close, or at interpreter exit if no close came (a killed process leaves it)
         self._remove = weakref.finalize(self, _remove, self.fd, self.path)
-        self.reserve(reserve)
+        try:
+            self.reserve(reserve)
+        except BaseException:
+            self._remove()  # the descriptor and the lock go now, not with the traceback
+            raise
         self.pool = ThreadPoolExecutor(aio.workers, thread_name_prefix="zpp-nvme")
 
     def _open(self) -> int:
