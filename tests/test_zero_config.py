@@ -316,6 +316,7 @@ ACCEPTED_SAMPLES = {
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
     "zero_optimization.stage3_allgather_sequential": False, "zero_optimization.memory_efficient_linear": False,
     "zero_optimization.round_robin_gradients": True,
+    "aio.use_gds": False, "aio.intra_op_parallelism": 2, "aio.io_backend": "aio",
     "zero_optimization.override_module_apply": True, "zero_optimization.log_trace_cache_warnings": False,
     "zero_optimization.elastic_checkpoint": True,
     "optimizer.params.max_grad_norm": 1.0, "wall_clock_breakdown": True, "memory_breakdown": False,

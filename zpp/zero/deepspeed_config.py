@@ -142,7 +142,9 @@ def translate(config: Mapping[str, Any] | str | os.PathLike) -> tuple[TrainConfi
     kw["activation_checkpointing"] = ActivationCheckpointingConfig(
         **{k: KEYS[f"activation_checkpointing.{k}"].check(f"activation_checkpointing.{k}", v)
            if v is not None else None for k, v in ac.items()})
-    kw["aio"] = AioConfig(**{k: KEYS[f"aio.{k}"].check(f"aio.{k}", v) for k, v in (top.get("aio") or {}).items()})
+    aio_fields = {f.name for f in dataclasses.fields(AioConfig)}  # the rest are accepted keys, checked
+    kw["aio"] = AioConfig(**{k: KEYS[f"aio.{k}"].check(f"aio.{k}", v) for k, v in (top.get("aio") or {}).items()
+                             if k in aio_fields})
     kw["monitor"] = _monitor(top)
     kw["zpp"] = _zpp(top.get("zpp", {}))
     return TrainConfig(**kw), notes

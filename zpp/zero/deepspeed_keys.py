@@ -335,6 +335,9 @@ _KEY_LIST: list[DsKey] = [
     _impl("aio", "TrainConfig.aio (AioConfig): the NVMe tier's reads and writes", _dict, section=True),
     *[_impl(f"aio.{f.name}", f"AioConfig.{f.name}", _bool if f.type == "bool" else _int(lo=1))
       for f in dataclasses.fields(AioConfig)],
+    _accept("aio.use_gds", "GPUDirect Storage: zpp's NVMe tier reads and writes through host buffers", _bool),
+    _accept("aio.intra_op_parallelism", "zpp's I/O workers are aio.thread_count x aio.queue_depth", _int(lo=1)),
+    _accept("aio.io_backend", "zpp's NVMe tier does its own pread/pwrite I/O", _anything),
     _refuse("communication_data_type", "zpp reduces gradients in fp32; compress with "
             "zero_quantized_gradients", _choice("fp32", "fp16", "bf16"), _is("fp32"), '"fp32"', nullable=True),
     _refuse_flag("sparse_gradients", "sparse gradients"),
