@@ -39,6 +39,7 @@ class NvmeMode(Mode):
                  buffer_count: int) -> None:
         self.optimizer = optimizer
         self.units = tuple(units)
+        self._index = {id(u): k for k, u in enumerate(self.units)}  # unit -> its region's key
         self.swap = swap
         self.buffer_count = buffer_count
         self.regions: dict[int, Region] = {}  # unit index -> its state on disk
@@ -98,7 +99,7 @@ class NvmeMode(Mode):
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer, trained: Sequence[Unit]) -> bool:
         self._finish_writes()  # the last step's writes (they ran under the forward and backward)
-        index = {id(u): i for i, u in enumerate(self.units)}
+        index = self._index
         todo = [u for u in trained if id(u) in index and u.flat.master.numel() > 0]
         grads = [u.flat.master.grad for u in todo]
         for u in todo:
@@ -164,8 +165,7 @@ class NvmeMode(Mode):
     # ------------------------------------------------------------------ checkpoints
     def swapped_state(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The per-element optimizer state of ``unit`` read back from the file (copies)."""
-        k = next((i for i, u in enumerate(self.units) if u is unit), None)
-        region = self.regions.get(k)
+        region = self.regions.get(self._index.get(id(unit)))
         if region is None:
             return {}
         self._finish_writes()
