@@ -59,7 +59,7 @@ def _run(t, stage, optimizer, nvme, steps=5):
             swap = mode.swap.path
             rec.update(stats=mode.stats(), per_element=per_element, exists=swap.exists(),
                        optimizer_bytes=model_state_bytes(engine.units, engine.optimizer, engine.modes)["optimizer"],
-                       buffer_bytes=sum(b.nbytes for b in mode._all))
+                       buffer_bytes=mode.buffers.nbytes)
         engine.close()
         if path is not None:
             rec["exists_after_close"] = swap.exists()
@@ -116,13 +116,16 @@ def test_checkpoints_move_between_nvme_and_memory_exactly(tmp_path):
         assert r["memory->nvme"] == r["ref"]
 
 
-def _bad_path(t, path, fail_rank):
+def _bad_path(t, path, fail_rank, outer=False):
     if fail_rank is not None and t.rank == fail_rank:  # this rank's disk is full
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         os.posix_fallocate = full
+    cfg = _config(2, nvme=path)
+    if outer:  # one rank per node: each ZeRO world is one rank, the job is two
+        cfg["zpp"] = {"outer": {"sync_every": 4}}
     try:
-        zz.initialize(model=_model(), config=_config(2, nvme=path), transport=t)
+        zz.initialize(model=_model(), config=cfg, transport=t)
     except ValueError as e:
         return str(e)
     return None
@@ -141,12 +144,18 @@ def test_a_full_disk_fails_on_every_rank_before_training(tmp_path):
         assert "No space left on device" in msg
 
 
+def test_a_full_disk_on_another_node_fails_every_rank_of_the_job(tmp_path):
+    """Under zpp.outer the ZeRO world is the node; the swap files are agreed over the job."""
+    for msg in run_world(_bad_path, 2, args=(str(tmp_path), 1, True), ranks_per_node=1, timeout=90):
+        assert msg is not None and "cannot reserve" in msg and "on rank 1 of 2" in msg
+
+
 def _corrupt(t, root):
     batches = _batches("gpt", t.rank, 3)
     e, *_ = zz.initialize(model=_model(), config=_config(2, nvme=str(Path(root) / "swap")), transport=t)
     train_steps(e, batches[:2])
     e.save_checkpoint(str(Path(root) / "ckpt"), tag="good")
-    e.mode("nvme")._finish_writes()
+    e.mode("nvme").buffers.finish_writes()
     if t.rank == 1:  # something else writes into rank 1's swap file
         fd = os.open(e.mode("nvme").swap.path, os.O_WRONLY)
         os.pwrite(fd, b"\xff" * 16, 4096)
@@ -159,12 +168,11 @@ def _corrupt(t, root):
         out["save"] = (type(ex).__name__, str(ex))
     out["latest"] = (Path(root) / "ckpt" / "latest").read_text().strip()
     out["tags"] = sorted(p.name for p in (Path(root) / "ckpt").iterdir() if not p.name.startswith("."))
-    try:  # the step reads it too: rank 1 raises before its optimizer sees it (rank 0 then loses rank 1)
-        x, y = batches[2]
-        e.backward(e(x, y))
-        e.step()
-    except OSError as ex:
-        out["step"] = str(ex)
+    # the step reads it too: rank 1's read fails before its optimizer sees it, and every rank
+    # raises at the end of the step (not rank 0 at the transport's timeout)
+    x, y = batches[2]
+    e.backward(e(x, y))
+    out["step"] = timed_call(e.step)
     return out
 
 
@@ -175,7 +183,10 @@ def test_a_corrupted_swap_file_is_never_read_into_a_checkpoint_or_the_step(tmp_p
         assert kind == "CheckpointError" and "corrupt" in msg and "optimizer_rank00001.swp" in msg, (rank, msg)
         assert "on rank 1 of 2" in msg and "nothing was published" in msg
         assert r["latest"] == "good" and r["tags"] == ["good", "latest"], r
-    assert "is corrupt" in res[1]["step"] and "bytes at offset 0 have CRC32" in res[1]["step"]  # its 8 KiB request
+        kind, secs, msg = r["step"]
+        assert kind == "OSError" and "is corrupt" in msg and "[on rank 1 of 2]" in msg, (rank, kind, msg)
+        assert "bytes at offset 0 have CRC32" in msg and "load the last checkpoint" in msg  # its 8 KiB request
+        assert secs < 10, (rank, secs)  # agreed at the step's end, far below the 20 s transport timeout
 
 
 def _crash(t, root, where):
@@ -272,6 +283,152 @@ def test_a_refused_direct_transfer_falls_back_to_buffered_io_counted(tmp_path):
             SwapFile(str(tmp_path), 3, AioConfig())
     finally:
         s.close()
+
+
+def test_workers_refused_direct_io_at_once_all_fall_back_to_one_buffered_descriptor(tmp_path, monkeypatch):
+    """Four workers refused (EINVAL) at the same moment: one opens the buffered descriptor, all
+    four retry on it; the lock is held throughout (the direct descriptor stays open)."""
+    import threading
+
+    s = SwapFile(str(tmp_path), 4, AioConfig(queue_depth=2, thread_count=2), reserve=4 * 4096)
+    try:
+        if not s.direct:
+            pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT at open (the open-time fallback)")
+        direct, real = s.fd, os.pwrite
+        meet = threading.Barrier(4, timeout=20)
+
+        def pwrite(fd, data, offset):
+            if fd == direct:
+                meet.wait()  # all four are in a direct write before any is refused
+            return real(fd, data, offset)
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        data = bytearray(os.urandom(4 * 4096 + 1))
+        chunks = [memoryview(data)[1 + i * 4096:1 + (i + 1) * 4096] for i in range(4)]  # misaligned
+        for f in [s.pool.submit(s._pwrite, c, i * 4096) for i, c in enumerate(chunks)]:
+            f.result(timeout=30)
+        assert not s.direct and s.fallbacks == 1 and s.fd != direct
+        back = bytearray(4 * 4096)
+        for i in range(4):
+            s._pread(memoryview(back)[i * 4096:(i + 1) * 4096], i * 4096)
+        assert back == data[1:]
+        with pytest.raises(ValueError, match="in use"):
+            SwapFile(str(tmp_path), 4, AioConfig())
+    finally:
+        s.close()
+    assert not s.path.exists()
+
+
+class _Reordering(torch.optim.Optimizer):
+    """Two state tensors per parameter; at its third step the optimizer re-inserts ``a`` after
+    ``b`` (so the per-element state's layout changes while both are views of a read buffer)."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["n"] = 0
+                    st["a"], st["b"] = torch.zeros_like(p), torch.zeros_like(p)
+                st["n"] += 1
+                if st["n"] == 3:
+                    st["a"] = st.pop("a")
+                st["a"].mul_(0.9).add_(p.grad)
+                st["b"].mul_(0.5).add_(p.grad.abs())
+                p.add_(st["a"] + 0.1 * st["b"], alpha=-group["lr"])
+
+
+def _reorder(t, root):
+    batches = _batches("gpt", t.rank, 5)
+    out = {}
+    for name, path in (("memory", None), ("nvme", root)):
+        cfg = _config(2, nvme=path)
+        del cfg["optimizer"]
+        e, *_ = zz.initialize(model=_model(), optimizer=lambda groups: _Reordering(groups), config=cfg, transport=t)
+        out[name] = (train_steps(e, batches), _masters(e))
+        if path is not None:
+            out["buffers"] = len(e.mode("nvme").buffers.all)
+        e.close()
+    return out
+
+
+def test_a_state_layout_change_is_copied_into_a_fresh_buffer(tmp_path):
+    for r in run_world(_reorder, 2, args=(str(tmp_path),), timeout=120):
+        (ml, mm), (nl, nm) = r["memory"], r["nvme"]
+        assert nl == ml
+        for a, b in zip(nm, mm, strict=True):
+            assert torch.equal(a, b)
+        assert r["buffers"] <= 2  # buffer_count holds after the change
+
+
+def _order(t, root):
+    from zpp.zero.modes.nvme import NvmeMode
+
+    batches = _batches("gpt", t.rank, 3)
+    e, *_ = zz.initialize(model=_model(), config=_config(2, nvme=root, buffer_count=2), transport=t)
+    mode, events = e.mode("nvme"), []
+    units = {id(u.flat.master): k for k, u in enumerate(mode.units)}
+    real_read, real_step = mode.swap.read, e.optimizer.step
+
+    def read(region, buf):
+        events.append(("read", next(k for k, r in mode.regions.items() if r is region)))
+        return real_read(region, buf)
+
+    def step(*a, **kw):
+        events.append(("step", [units[id(p)] for g in e.optimizer.param_groups for p in g["params"]
+                                if p.grad is not None]))
+        return real_step(*a, **kw)
+    mode.swap.read, e.optimizer.step = read, step
+    train_steps(e, batches[:1])
+    first = list(events)
+    events.clear()
+    train_steps(e, batches[1:])
+    e.close()
+    return first, events, isinstance(mode, NvmeMode)
+
+
+def test_with_two_buffers_the_next_read_runs_under_the_step(tmp_path):
+    """[Note: NVMe step order]: with buffer_count=2 and both buffers free at the step's start,
+    unit 1's read is issued before unit 0 steps (it used to wait until unit 0's write)."""
+    for first, later, _ in run_world(_order, 2, args=(str(tmp_path),), timeout=90):
+        assert [k for kind, k in first if kind == "read"] == []  # the first step has nothing on disk
+        steps = [k for kind, k in later if kind == "step"]
+        reads = [k for kind, k in later if kind == "read"]
+        assert len(steps) == 2 * len(reads) // 2 and len(reads) >= 6
+        kinds = [kind for kind, _ in later]
+        assert kinds[:3] == ["read", "read", "step"], later[:4]  # read 0, read 1 (under step 0), step 0
+        assert later[0] == ("read", 0) and later[1] == ("read", 1) and later[2] == ("step", [0])
+
+
+def _failing_build(t, root):
+    from zpp.zero.modes.nvme import NvmeMode
+    from zpp.zero.modes.onebit import OneBitMode
+
+    built, real = [], NvmeMode.build.__func__
+
+    def build(cls, engine):
+        built.append(real(cls, engine))  # held here, so no garbage collection closes it instead
+        return built[-1]
+
+    def refuse(cls, engine):
+        raise ValueError("a later mode refused")
+    NvmeMode.build, OneBitMode.build = classmethod(build), classmethod(refuse)
+    try:
+        zz.initialize(model=_model(), config=_config(2, nvme=root), transport=t)
+    except ValueError as e:
+        msg = str(e)
+    swap = built[0].swap
+    return msg, swap.path.exists(), swap.fd, swap.pool._shutdown
+
+
+def test_a_later_mode_failing_to_build_closes_the_swap_file(tmp_path):
+    for msg, exists, fd, shut in run_world(_failing_build, 2, args=(str(tmp_path),), timeout=90):
+        assert msg == "a later mode refused" and not exists and fd == -1 and shut
 
 
 def test_config_keys():

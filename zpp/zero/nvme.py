@@ -39,6 +39,7 @@ import threading
 import time
 import weakref
 import zlib
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -104,6 +105,68 @@ class Buffer:
         return memoryview(self._map)[:nbytes]
 
 
+class BufferPool:
+    """The host buffers a mode streams state through: at most ``count`` (one more only while a
+    layout change needs a fresh one, see :meth:`release`), and the writes that hold some of
+    them; a buffer is free again once its write is done. ``wait_s`` counts the seconds spent
+    waiting on transfers."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.free: list[Buffer] = []
+        self.all: list[Buffer] = []  # every buffer, free or in a transfer
+        self.writes: deque[Transfer] = deque()
+        self.wait_s = 0.0
+
+    def get(self, nbytes: int, *, wait: bool = True) -> Buffer | None:
+        """A free buffer of at least ``nbytes``: waiting for the oldest write if none is free
+        and ``count`` are out, or None then if not ``wait``."""
+        while self.writes and self.writes[0].done():
+            self.free.append(self.wait(self.writes.popleft()))
+        while not self.free and len(self.all) >= self.count and self.writes:
+            if not wait:
+                return None
+            self.free.append(self.wait(self.writes.popleft()))
+        if self.free:
+            buf = self.free.pop()
+            if buf.nbytes >= nbytes:
+                return buf
+            self.all.remove(buf)  # too small (a larger unit, or new state): replaced
+        buf = Buffer(nbytes)
+        self.all.append(buf)
+        return buf
+
+    def wait(self, t: Transfer) -> Buffer:
+        """``t``'s buffer once ``t`` is done (its error raised)."""
+        start = time.perf_counter()
+        try:
+            return t.wait()
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def put(self, buf: Buffer) -> None:
+        self.free.append(buf)
+
+    def release(self, buf: Buffer) -> None:
+        """``buf`` back, or dropped if a layout change made one more than ``count``."""
+        if len(self.all) > self.count:
+            self.all.remove(buf)
+        else:
+            self.free.append(buf)
+
+    def written(self, t: Transfer) -> None:
+        """A write in flight: its buffer is free when it is done."""
+        self.writes.append(t)
+
+    def finish_writes(self) -> None:
+        while self.writes:
+            self.free.append(self.wait(self.writes.popleft()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.all)
+
+
 class Transfer:
     """Requests in flight for one region; :meth:`wait` returns once all are done and raises
     the first error (an ``OSError`` naming the file)."""
@@ -145,6 +208,10 @@ class SwapFile:
             self.fd = self._open()
         except OSError as e:
             raise ValueError(f"{where}: cannot create the swap file {self.path}: {e.strerror or e}") from e
+        # the descriptor opened first holds the lock until close; a fallback to buffered I/O adds
+        # a second one for the transfers (see _reopen_buffered), so the lock never lapses
+        self._fds = [self.fd]
+        self._direct_fd = self.fd if self.direct else None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
@@ -153,7 +220,7 @@ class SwapFile:
                              "nvme_path and rank); give each job its own nvme_path") from e
         os.ftruncate(self.fd, 0)  # a crashed run's state is never read back
         # removed at close, or at interpreter exit if no close came (a killed process leaves it)
-        self._remove = weakref.finalize(self, _remove, self.fd, self.path)
+        self._remove = weakref.finalize(self, _remove, self._fds, self.path)
         try:
             self.reserve(reserve)
         except BaseException:
@@ -239,24 +306,27 @@ class SwapFile:
     def _transfer(self, call, mem: memoryview, offset: int) -> None:
         done = 0
         while done < len(mem):
+            fd = self.fd
             try:
-                n = call(self.fd, mem[done:], offset + done)
+                n = call(fd, mem[done:], offset + done)
             except OSError as e:
-                if e.errno == errno.EINVAL and self.direct:
+                if e.errno == errno.EINVAL and fd == self._direct_fd:  # refused as a direct transfer
                     self._reopen_buffered()
-                    continue
+                    continue  # on the buffered descriptor, whichever worker opened it
                 raise OSError(e.errno, f"NVMe swap {self.path}: {e.strerror}") from e
             if n == 0:
                 raise OSError(errno.EIO, f"NVMe swap {self.path}: short transfer at byte {offset + done}")
             done += n
 
     def _reopen_buffered(self) -> None:
+        """Switch the transfers to a buffered descriptor of the same file, once: workers
+        refused at the same moment all retry on it. The direct descriptor stays open (it holds
+        the lock, and a worker may still be using its number) until :meth:`close`."""
         with self._lock:
             if self.direct:
                 fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-                os.dup2(fd, self.fd)  # the same descriptor number, now without O_DIRECT
-                os.close(fd)
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lock went with the old description
+                self._fds.append(fd)
+                self.fd = fd
                 self._fall_back("a direct transfer was refused (EINVAL)")
 
     def close(self) -> None:
@@ -271,8 +341,9 @@ class SwapFile:
                 "busy_s": self.busy_s}
 
 
-def _remove(fd: int, path: Path) -> None:
-    os.close(fd)
+def _remove(fds: list[int], path: Path) -> None:
+    for fd in fds:
+        os.close(fd)
     path.unlink(missing_ok=True)
     try:
         path.parent.rmdir()

@@ -50,14 +50,16 @@ def exchange(world: Transport, mine: dict[str, Any], *, during: str) -> list[dic
     return [json.loads(raw[r, :int(sizes[r])].tobytes()) for r in range(W)]
 
 
-def raise_agreed(results: list[dict[str, Any]], *, own: BaseException | None = None, suffix: str = "") -> None:
+def raise_agreed(results: list[dict[str, Any]], *, own: BaseException | None = None, suffix: str = "",
+                 types: tuple[type[Exception], ...] = ()) -> None:
     """Raise on every rank if any rank's record is not ok (see [Note: agreement]); a no-op
-    otherwise. ``own``: this rank's exception, chained as the cause."""
+    otherwise. ``own``: this rank's exception, chained as the cause; ``types``: exception
+    types re-created by name besides the checkpoint phases' (others become CheckpointError)."""
     failed = [r for r, res in enumerate(results) if not res["ok"]]
     if not failed:
         return
     first = results[failed[0]]
     where = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
-    cls = _TYPES.get(first["type"])
+    cls = {**_TYPES, **{c.__name__: c for c in types}}.get(first["type"])
     msg = first["error"] if cls is not None else f"{first['type']}: {first['error']}"
     raise (cls or CheckpointError)(f"{msg} [on {where} of {len(results)}]{suffix}") from own

@@ -16,6 +16,8 @@ the order of the hooks).
 """
 from __future__ import annotations
 
+import logging
+
 from zpp.comm.transport import Transport
 from zpp.zero.config import TrainConfig
 from zpp.zero.modes.base import Mode
@@ -27,6 +29,8 @@ from zpp.zero.modes.outer import OuterMode
 
 __all__ = ["MODES", "LossScaleMode", "Mode", "ModeAttributes", "NvmeMode", "OffloadMode", "OneBitMode", "OuterMode",
            "build_modes", "data_parallel_world"]
+
+log = logging.getLogger("zpp.zero")
 
 #: name -> mode class, in hook order
 MODES: dict[str, type[Mode]] = {
@@ -46,8 +50,22 @@ def data_parallel_world(world: Transport, config: TrainConfig) -> Transport:
 
 
 def build_modes(engine) -> tuple[Mode, ...]:
-    """The modes ``engine``'s config asks for, in registry order."""
-    return tuple(m for m in (cls.build(engine) for cls in MODES.values()) if m is not None)
+    """The modes ``engine``'s config asks for, in registry order; if one fails to build, the
+    ones built before it are closed (a swap file, a sync thread) before the error goes on."""
+    built: list[Mode] = []
+    try:
+        for cls in MODES.values():
+            mode = cls.build(engine)
+            if mode is not None:
+                built.append(mode)
+    except BaseException:
+        for mode in reversed(built):
+            try:
+                mode.close()
+            except Exception:  # noqa: BLE001 - the build's error is the one to see
+                log.exception("zpp: closing mode %s after a failed build", mode.name)
+        raise
+    return tuple(built)
 
 
 class ModeAttributes:

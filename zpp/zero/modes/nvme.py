@@ -12,17 +12,26 @@ over all of them for any optimizer whose update of a tensor depends on that tens
 (Adam, AdamW, SGD: tests/test_zero_nvme.py checks the losses and weights equal the in-memory
 run's to the bit). Between steps each master's state holds its scalars (``step``) only; the
 per-element tensors are in the file, and a checkpoint reads them back (:meth:`swapped_state`).
+
+[Note: NVMe step order]
+A unit's read is issued as soon as a buffer is free for it: right after the wait for the
+previous unit's read if one is free then (so it runs under that unit's step), else after that
+unit's write is issued (waiting for the oldest write to free its buffer). With
+``buffer_count = 2`` one of each unit's two transfers overlaps a step, whichever frees a
+buffer first; with more buffers both do. A layout change of a unit's state (the optimizer keeps
+a new tensor) is copied into a fresh buffer, never over the views it is copied from. An I/O
+error (or a CRC mismatch, or no room to grow the file) on any rank raises on every rank of the
+ZeRO world at the end of the step, before the publish (:meth:`NvmeMode._agree`).
 """
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Sequence
 
 import torch
 
+from zpp.comm.transport import Transport
 from zpp.zero.modes.base import Mode
-from zpp.zero.nvme import Buffer, Region, SwapFile, Transfer, padded
+from zpp.zero.nvme import Buffer, BufferPool, Region, SwapFile, Transfer, padded
 from zpp.zero.unit import Unit
 
 #: per-element state zpp reserves on disk at initialize, in fp32 tensors per parameter (Adam's two
@@ -36,17 +45,15 @@ class NvmeMode(Mode):
     name = "nvme"
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[Unit], swap: SwapFile,
-                 buffer_count: int) -> None:
+                 buffer_count: int, world: Transport) -> None:
         self.optimizer = optimizer
+        self.world = world  # the ranks a step's outcome is agreed over (they publish together)
         self.units = tuple(units)
         self._index = {id(u): k for k, u in enumerate(self.units)}  # unit -> its region's key
         self.swap = swap
         self.buffer_count = buffer_count
         self.regions: dict[int, Region] = {}  # unit index -> its state on disk
-        self._free: list[Buffer] = []
-        self._all: list[Buffer] = []  # every buffer, free or in a transfer
-        self._writes: deque[Transfer] = deque()
-        self.wait_s = 0.0
+        self.buffers = BufferPool(buffer_count)
 
     @classmethod
     def build(cls, engine) -> NvmeMode | None:
@@ -63,62 +70,47 @@ class NvmeMode(Mode):
             mine = {"ok": True}
         except (ValueError, OSError) as e:
             err, mine = e, failure(e)
-        try:  # a rank without room fails every rank, before training (see [Note: agreement])
-            raise_agreed(exchange(engine.world, mine, during="creating the NVMe swap files"), own=err)
+        try:  # a rank without room fails every rank of the job, before training (see [Note: agreement])
+            raise_agreed(exchange(engine.job_world, mine, during="creating the NVMe swap files"), own=err)
         except BaseException:
             if swap is not None:
                 swap.close()
             raise
-        return cls(engine.optimizer, units, swap, off.buffer_count)
-
-    # ------------------------------------------------------------------ buffers
-    def _buffer(self, nbytes: int) -> Buffer:
-        """A free buffer of at least ``nbytes``, waiting for the oldest write if none is."""
-        while not self._free and len(self._all) >= self.buffer_count and self._writes:
-            self._free.append(self._wait(self._writes.popleft()))
-        if self._free:
-            buf = self._free.pop()
-            if buf.nbytes >= nbytes:
-                return buf
-            self._all.remove(buf)  # too small (a larger unit, or new state): replaced
-        buf = Buffer(nbytes)
-        self._all.append(buf)
-        return buf
-
-    def _wait(self, t: Transfer) -> Buffer:
-        start = time.perf_counter()
-        try:
-            return t.wait()
-        finally:
-            self.wait_s += time.perf_counter() - start
-
-    def _finish_writes(self) -> None:
-        while self._writes:
-            self._free.append(self._wait(self._writes.popleft()))
+        return cls(engine.optimizer, units, swap, off.buffer_count, engine.world)
 
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer, trained: Sequence[Unit]) -> bool:
-        self._finish_writes()  # the last step's writes (they ran under the forward and backward)
+        self.buffers.finish_writes()  # the last step's writes (they ran under the forward and backward)
         index = self._index
         todo = [u for u in trained if id(u) in index and u.flat.master.numel() > 0]
         grads = [u.flat.master.grad for u in todo]
         for u in todo:
             u.flat.master.grad = None
-        if any(u.flat.master is not None and u.flat.master.grad is not None for u in trained):
-            optimizer.step()  # what is not swapped (empty shards) steps in memory, once
         reads: dict[int, Transfer] = {}
         ahead = max(1, self.buffer_count - 1)
+        issued = 0  # the units whose reads were issued: todo[:issued] (in order)
 
-        def read(j: int) -> None:
-            region = self.regions.get(index[id(todo[j])]) if j < len(todo) else None
-            if region is not None:
-                reads[j] = self.swap.read(region, self._buffer(region.nbytes))
+        def read_ahead(upto: int, *, wait: bool) -> None:
+            """Issue the reads of todo[issued:upto]; without ``wait`` only while a buffer is
+            free now (so they run under the step that follows, see [Note: NVMe step order])."""
+            nonlocal issued
+            while issued < min(upto, len(todo)):
+                region = self.regions.get(index[id(todo[issued])])
+                if region is not None:
+                    buf = self.buffers.get(region.nbytes, wait=wait)
+                    if buf is None:
+                        return
+                    reads[issued] = self.swap.read(region, buf)
+                issued += 1
 
-        for j in range(min(ahead, len(todo))):
-            read(j)
+        failure: BaseException | None = None
         try:
+            if any(u.flat.master is not None and u.flat.master.grad is not None for u in trained):
+                optimizer.step()  # what is not swapped (empty shards) steps in memory, once
+            read_ahead(ahead, wait=True)
             for i, u in enumerate(todo):
-                buf = self._wait(reads.pop(i)) if i in reads else None
+                buf = self.buffers.wait(reads.pop(i)) if i in reads else None
+                read_ahead(i + 1 + ahead, wait=False)
                 master, k = u.flat.master, index[id(u)]
                 state = optimizer.state[master]
                 if buf is not None:
@@ -128,13 +120,35 @@ class NvmeMode(Mode):
                 optimizer.step()
                 master.grad = None
                 self._swap_out(k, master, buf)
-                read(i + ahead)
+                read_ahead(i + 1 + ahead, wait=True)
+        except (OSError, ValueError) as e:  # the file: an I/O error, a CRC mismatch, no room to grow
+            failure = e
         finally:
             for u, g in zip(todo, grads):
                 u.flat.master.grad = g
             for t in reads.values():
-                self._free.append(self._wait(t))
+                try:
+                    self.buffers.put(self.buffers.wait(t))
+                except OSError as e:
+                    failure = failure or e
+        self._agree(failure)
         return True
+
+    def _agree(self, failure: BaseException | None) -> None:
+        """Raise ``failure`` (this rank's, or a peer's) on every rank of the world, or return
+        if there is none: one 8-byte all-reduce per step, then, only on a failure, the
+        messages (see [Note: agreement]). Without it a rank whose file failed would raise
+        alone and its peers would wait in the publish until the transport's timeout."""
+        from zpp.zero.checkpoint.agree import exchange, failure as record, raise_agreed
+
+        flag = torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64)
+        self.world.all_reduce(flag, "max")
+        if flag.item() == 0.0:
+            return
+        mine = {"ok": True} if failure is None else record(failure)
+        raise_agreed(exchange(self.world, mine, during="the NVMe optimizer step"), own=failure,
+                     suffix="; the optimizer state is not consistent across ranks: load the last checkpoint",
+                     types=(OSError,))
 
     def _swap_out(self, k: int, master: torch.Tensor, buf: Buffer | None) -> None:
         """Write unit ``k``'s per-element state (in ``buf`` or fresh tensors) to its region and
@@ -145,22 +159,24 @@ class NvmeMode(Mode):
         if not tensors:
             self.regions.pop(k, None)
             if buf is not None:
-                self._free.append(buf)
+                self.buffers.put(buf)
             return
         region = self.regions.get(k)
         entries, nbytes = Region.layout(tensors)
-        if region is None or region.entries != entries:  # first step, or the optimizer keeps new state
+        moved = region is None or region.entries != entries  # first step, or the optimizer keeps new state
+        if moved:
             region = self.regions[k] = Region(self.swap.allocate(nbytes), nbytes, entries)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                self._free.append(buf)
-            buf = self._buffer(nbytes)
+        old = None
+        if buf is None or buf.nbytes < nbytes or moved:  # never copied over the views it copies from
+            old, buf = buf, self.buffers.get(nbytes)
         for e in entries:
             view, t = buf.view(e), tensors[e.key]
             if view.data_ptr() != t.data_ptr():  # a tensor the optimizer made (or replaced)
                 view.copy_(t)
             del state[e.key]
-        self._writes.append(self.swap.write(region, buf))
+        if old is not None:
+            self.buffers.release(old)
+        self.buffers.written(self.swap.write(region, buf))
 
     # ------------------------------------------------------------------ checkpoints
     def swapped_state(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -168,33 +184,33 @@ class NvmeMode(Mode):
         region = self.regions.get(self._index.get(id(unit)))
         if region is None:
             return {}
-        self._finish_writes()
-        buf = self._wait(self.swap.read(region, self._buffer(region.nbytes)))
+        self.buffers.finish_writes()
+        buf = self.buffers.wait(self.swap.read(region, self.buffers.get(region.nbytes)))
         out = {e.key: buf.view(e).clone() for e in region.entries}
-        self._free.append(buf)
+        self.buffers.put(buf)
         return out
 
     def after_load(self) -> None:
         """A checkpoint set the optimizer's state: write what it put in memory to the file."""
-        self._finish_writes()
+        self.buffers.finish_writes()
         for k, u in enumerate(self.units):
             master = u.flat.master
             if master not in self.optimizer.state:
                 self.regions.pop(k, None)  # fresh state
             elif any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in self.optimizer.state[master].values()):
                 self._swap_out(k, master, None)
-        self._finish_writes()
+        self.buffers.finish_writes()
 
     # ------------------------------------------------------------------ the rest
     def close(self) -> None:
         try:
-            self._finish_writes()
+            self.buffers.finish_writes()
         finally:
             self.swap.close()
 
     def state_bytes(self, nbytes) -> dict[str, int]:
-        return {"optimizer": sum(b.nbytes for b in self._all)}
+        return {"optimizer": self.buffers.nbytes}
 
     def stats(self) -> dict[str, object]:
         """The swap file's counters and the seconds the step waited on it."""
-        return {**self.swap.stats(), "buffers": len(self._all), "wait_s": self.wait_s}
+        return {**self.swap.stats(), "buffers": len(self.buffers.all), "wait_s": self.buffers.wait_s}
