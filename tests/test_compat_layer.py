@@ -154,3 +154,11 @@ def test_names_map_both_ways():
     assert zpp.compat.real_name("zpp.runtimes") == "zpp.runtimes"
     assert zpp.compat.public_name("zpp.compat.ops.adam") == "zpp.ops.adam"
     assert zpp.compat.public_name("zpp.zero") == "zpp.zero"
+
+
+def test_python_dash_m_runs_an_alias_as_its_target():
+    """``python -m zpp.run_command`` (an alias) runs the code of zpp.compat.run_command; it
+    failed with AttributeError 'get_code' before the alias loader could hand out code."""
+    runs = [subprocess.run([sys.executable, "-m", name], capture_output=True, text=True, timeout=120)
+            for name in ("zpp.run_command", "zpp.compat.run_command")]
+    assert [(r.returncode, r.stdout, r.stderr) for r in runs] == [(0, "", "")] * 2, runs

@@ -68,6 +68,10 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__spec__ = self._spec  # the import system set it to the alias's; the target keeps its own
 
+    def get_code(self, fullname):
+        """The target's code (``python -m <alias>`` runs it as ``__main__``)."""
+        return importlib.util.find_spec(self.target).loader.get_code(self.target)
+
 
 class ModuleAlias(importlib.abc.MetaPathFinder):
     """``<prefix>X`` imports as the module ``resolve(<prefix>X)``: one object under two names.
