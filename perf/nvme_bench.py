@@ -1,6 +1,8 @@
 """The NVMe tier against memory, and against the disk's own sequential bandwidth.
 
     python perf/nvme_bench.py --json perf/results/nvme_bench.json          # the 25M GPT, 2 ranks
+    /work/dsenv/bin/python perf/nvme_bench.py --world 1 --variants zero3,zero3-nvme,deepspeed3,deepspeed3-nvme
+                                                  # + DeepSpeed ZeRO-Infinity (its async_io op needs libaio-dev)
 
 1. The disk: ``dd`` writes then reads ``--dd-mib`` MiB under ``--nvme-path`` with direct I/O
    (``oflag=direct conv=fsync``, ``iflag=direct``, 1 MiB blocks): the sequential bandwidth.
@@ -76,15 +78,16 @@ def main(argv=None) -> None:
     print(f"# dd on {args.nvme_path}: write {d['write_Bps'] / 1e6:.0f} MB/s, read {d['read_Bps'] / 1e6:.0f} MB/s "
           f"(direct I/O, 1 MiB blocks, {args.dd_mib} MiB)")
     rows = [train(v, args, extra) for v in args.variants.split(",")]
-    print(f"{'variant':<12}{'step_s':>8}{'opt_s':>7}{'state_MB':>10}{'peak_MiB':>9}{'swap_MB/step':>13}"
+    print(f"{'variant':<16}{'step_s':>8}{'opt_s':>7}{'state_MB':>10}{'peak_MiB':>9}{'swap_MB/step':>13}"
           f"{'busy_s':>8}{'swap_MB/s':>10}{'of dd':>7}{'wait_s':>8}{'loss':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<12} failed: {r['error'][-300:]}")
+            print(f"{r['variant']:<16} failed: {r['error'][-300:]}")
             continue
         nv = r.get("nvme")
-        line = (f"{r['variant']:<12}{r['step_s']:>8.3f}{r['opt_s']:>7.3f}{r['model_state_bytes'] / 1e6:>10.1f}"
-                f"{r['peak_rss_mib']:>9.0f}")
+        state = r.get("model_state_bytes")  # None for DeepSpeed's rows (zpp's counter)
+        line = (f"{r['variant']:<16}{r['step_s']:>8.3f}{r['opt_s']:>7.3f}"
+                f"{'-' if state is None else format(state / 1e6, '.1f'):>10}{r['peak_rss_mib']:>9.0f}")
         if nv:
             moved = nv["read_bytes_per_step"] + nv["written_bytes_per_step"]
             rate = moved / nv["busy_s_per_step"] if nv["busy_s_per_step"] > 0 else float("nan")

@@ -64,6 +64,8 @@ VARIANTS = {
     # the optimizer state on NVMe (zpp.zero.nvme) under --nvme-path; not in the defaults
     "zero2-nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 1_000_000},
     "zero3-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}},
+    # DeepSpeed's ZeRO-Infinity optimizer tier (its async_io op: libaio-dev; stage 3 only there)
+    "deepspeed3-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}},
 }
 DEFAULT_VARIANTS = [v for v in VARIANTS if not v.startswith("deepspeed") and "nvme" not in v]
 LR = 1e-3
@@ -106,7 +108,10 @@ def _build(name, model, t, args):
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the default group zpp made
         cfg = {"train_micro_batch_size_per_gpu": args.batch,
                "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-               "zero_optimization": _zero_section(name, t)}
+               "zero_optimization": _zero_section(name, t, args.nvme_path)}
+        if "nvme" in name:  # DeepSpeed steps offloaded state with its CPU Adam only; the aio section as zpp's
+            cfg["optimizer"]["params"].pop("torch_adam")
+            cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1}  # both defaults
         eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         return eng, eng.backward, eng.step, None
     import zpp.zero as zz
