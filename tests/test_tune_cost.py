@@ -112,6 +112,57 @@ def test_time_by_hand():
     assert p.compute_s == pytest.approx(6 * 7e9 * 1e6 / 5e14)
 
 
+def test_overlapped_backward_by_hand():
+    """Backward gathers started ahead and reductions on the reduction thread run under the
+    backward's compute (2/3 of it): they show only where together they outlast it."""
+    b = cost.Call("reduce", intra=0, inter=1, node_link=1_250_000, steps=0, beside_backward=True)
+    tb = 1_250_000 * cost.WIRE_OVERHEAD / 12.5e6  # 0.1035 s
+    g = cost.Call("forward gather", intra=0, inter=1, node_link=1_250_000, steps=0, prefetched=True)
+    for k, want in ((1, 2.0), (12, 2.0), (13, 2.0 / 3 + 13 * tb), (40, 2.0 / 3 + 40 * tb)):
+        step, comm = cost.step_time(cost.Traffic((b,) * k), C22, Profile(compute_s=2.0))
+        assert step == pytest.approx(want) and comm == pytest.approx(k * tb)
+    # the two phases are separate: a forward that waits on its gathers does not lend the
+    # backward its slack, and the reverse
+    t = cost.Traffic((g,) * 10 + (b,) * 20)
+    assert cost.step_time(t, C22, Profile(compute_s=2.0))[0] == pytest.approx(10 * tb + 20 * tb)
+    t = cost.Traffic((g,) * 2 + (b,) * 20)
+    assert cost.step_time(t, C22, Profile(compute_s=2.0))[0] == pytest.approx(2.0 / 3 + 20 * tb)
+    # compute_from_step inverts it in every regime (bisection)
+    for traffic in ((b,), (b,) * 40, (g,) * 10 + (b,) * 20, (g,) * 2 + (b,) * 3):
+        t = cost.Traffic(traffic)
+        for c in (0.5, 2.0, 7.0):
+            step = cost.step_time(t, C22, Profile(compute_s=c))[0]
+            if step > cost.step_time(t, C22, Profile(compute_s=0.0))[0]:  # else the link alone explains it
+                assert cost.compute_from_step(step, t, C22) == pytest.approx(c, rel=1e-9)
+
+
+def test_which_calls_run_beside_the_backward():
+    """Stage 3 with overlap_comm (its default): the backward gathers (started ahead) and every
+    unit's reduction but the first unit's (reduced last) run beside the backward; the norm
+    and the forward's gathers (under the forward) do not. Without overlap_comm, or at stage 1, nothing does."""
+    units = [UnitShape(8192), UnitShape(8192), UnitShape(8192)]
+
+    def beside(mode):
+        t = cost.traffic(mode, units, C22)
+        return [(c.what, c.beside_backward) for c in t.calls]
+    calls = beside(MODES["zero3"])
+    assert calls == [("forward gather", False), ("backward gather", True), ("gradient reduce-scatter", False),
+                     ("forward gather", False), ("backward gather", True), ("gradient reduce-scatter", True),
+                     ("forward gather", False), ("backward gather", True), ("gradient reduce-scatter", True),
+                     ("gradient norm", False)]
+    import dataclasses
+
+    inline = dataclasses.replace(MODES["zero3"], overlap_comm=False)
+    assert not any(b for _, b in beside(inline)) and inline.config(2)["zero_optimization"]["overlap_comm"] is False
+    assert not any(b for _, b in beside(MODES["zero1"]))
+    two = dataclasses.replace(MODES["zero2"], overlap_comm=True)
+    assert [b for w, b in beside(two) if w == "gradient reduce-scatter"] == [False, True, True]
+    assert not any(b for w, b in beside(two) if w == "weight all-gather")
+    # the same bytes either way: only the time moves
+    a, b_ = cost.traffic(MODES["zero3"], units, C22), cost.traffic(inline, units, C22)
+    assert (a.inter_bytes, a.intra_bytes) == (b_.inter_bytes, b_.intra_bytes)
+
+
 def test_memory_by_hand():
     units = [UnitShape(8192)]
     m3 = cost.memory(MODES["zero3"], units, C22)

@@ -50,13 +50,15 @@ counters over this rule on the emulated 2 x 2, perf/BENCHMARKS.md "The cost mode
 *Time.* Per collective call: ``max(t_inter, t_intra)`` with ``t_inter = alpha_e k + node
 bytes * WIRE_OVERHEAD / B_e`` (the node's link is shared by its ranks) and ``t_intra =
 alpha_i k + rank's intra bytes / B_i`` (``k``: the algorithm's sequential steps, ``W - 1``
-for a ring, 1 for a direct exchange). Stage 3's forward gathers are prefetched (started
-ahead on the asynchronous all-gather, zpp/zero/prefetch.py) and run under the forward's
-compute (a third of forward + backward, ``FORWARD_SHARE``); in the backward the synchronous
-reduce-scatters queue behind the gathers on the same links, so the backward's gathers, the
-reductions and the rest count in line. The step is ``max(compute_s / 3, forward gathers) +
-2 compute_s / 3 + the other calls x (1 - overlap)`` (``overlap``: the fraction of those
-hidden, 0 until reductions overlap the backward). ``compute_s`` comes from a profile:
+for a ring, 1 for a direct exchange). Stage 3's gathers are prefetched (started ahead on
+the asynchronous all-gather, zpp/zero/prefetch.py): the forward's run under the forward's
+compute (a third of forward + backward, ``FORWARD_SHARE``), the backward's under the
+backward's. With ``overlap_comm`` (stage 3's default; stage 2 where set) the reductions run
+on the reduction thread under the backward's compute too, beside its gathers on the same
+links, except the last unit's (the first in forward order), which the step waits for. The
+step is ``max(F c, forward gathers) + max((1 - F) c, backward gathers + reductions) + the
+other calls x (1 - overlap)``; without ``overlap_comm`` the backward's gathers and the
+reductions count in line (``overlap``: a further fraction hidden, 0 by default). ``compute_s`` comes from a profile:
 measured (a run whose communication time the model knows, less that time) or from FLOPs
 (``6 Psi tokens / (peak flops x mfu)``).
 
@@ -137,6 +139,9 @@ class Mode:
     offload: bool = False
     prefetch: bool = True
     """Stage 3 gathers started ahead (``zpp.prefetch``); off, every gather waits in line."""
+    overlap_comm: bool | None = None
+    """Gradient reductions on the reduction thread (``overlap_comm``; None: the engine's
+    default, on at stage 3)."""
     weight_group_size: int = 2048
     gradient_group_size: int = 2048
 
@@ -145,6 +150,13 @@ class Mode:
         """The engine's world gathers run in two hops (``zpp.hierarchical_gather``'s default:
         where hpZ or qgZ has the engine build the node topology; stage 3 here)."""
         return self.stage == 3 and (self.hpz or self.gradient_bits is not None)
+
+    @property
+    def reductions_beside_backward(self) -> bool:
+        """The reductions run on the reduction thread while the backward goes on: stages 2-3
+        (which reduce each unit as its gradients are ready) with ``overlap_comm`` on."""
+        on = self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+        return on and self.stage >= 2 and not self.onebit
 
     @property
     def same_optimizer(self) -> bool:
@@ -174,6 +186,8 @@ class Mode:
             zpp["gradient_bits"] = self.gradient_bits
         if not self.prefetch:
             zpp["prefetch"] = False
+        if self.overlap_comm is not None:
+            zero["overlap_comm"] = self.overlap_comm
         if self.outer is not None:
             zpp["outer"] = {"sync_every": self.outer.sync_every, "fragments": self.outer.fragments,
                             "compression": self.outer.compression, "delay": self.outer.delay}
@@ -250,6 +264,9 @@ class Call:
     prefetched: bool = False
     """A stage 3 forward gather started ahead of its use (zpp.zero.prefetch): it runs under
     the forward's compute."""
+    beside_backward: bool = False
+    """Runs under the backward's compute: a stage 3 backward gather started ahead, or a
+    reduction on the reduction thread (``overlap_comm``), except the last one's."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -287,6 +304,7 @@ class _Book:
         self.calls: list[Call] = []
         self.background = False
         self.prefetched = False
+        self.beside_backward = False
 
     def _peers(self, group: str) -> tuple[int, int]:
         """(peers on this node, peers on other nodes) in ``group``."""
@@ -308,7 +326,7 @@ class _Book:
         pi, pe = self._peers(group)
         if self._size(group) > 1:
             self.calls.append(Call(what, pi * per_peer, pe * per_peer, node_link, steps, weight, self.background,
-                                   self.prefetched))
+                                   self.prefetched, self.beside_backward))
 
     def all_gather(self, what: str, m: int, group: str = "world", weight: float = 1.0) -> None:
         self.add(what, group, m, self._ring_node(group, m), self._size(group) - 1, weight)
@@ -354,9 +372,9 @@ def _world_gather(book: _Book, what: str, m: int, hier: bool) -> None:
         book.all_gather(what, m)
         return
     book.all_gather(what, m, "inter")
-    prefetched, book.prefetched = book.prefetched, False
+    ahead, book.prefetched, book.beside_backward = (book.prefetched, book.beside_backward), False, False
     book.all_gather(what, book.N * m, "intra")
-    book.prefetched = prefetched
+    book.prefetched, book.beside_backward = ahead
 
 
 def _quantized_all_gather(book: _Book, what: str, s: int, bits: int, gs: int, group: str = "world",
@@ -395,14 +413,17 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
             book.all_gather("onebit_all_reduce", frame)
         return Traffic(tuple(book.calls))
     hier = mode.two_hop_gathers
-    for u in units:
+    beside = mode.reductions_beside_backward
+    for k, u in enumerate(units):
         s = u.shard(W)
         p = s * W
+        # the backward reduces the units in reverse: the first unit's reduction is the last, in line
+        book.beside_backward = beside and k > 0
         if mode.stage == 3 and not u.persistent:
-            book.prefetched = mode.prefetch
             for i, phase in enumerate(u.gathers):
                 what = f"{phase} gather"
                 book.prefetched = mode.prefetch and phase == "forward"
+                book.beside_backward = beside and mode.prefetch and phase != "forward"
                 if mode.hpz and book.R > 1 and i > 0:  # from the node's secondary shards
                     book.all_gather(what, param_bytes * p // book.R, "intra")
                 elif phase == "forward" and mode.weight_bits is not None:
@@ -410,6 +431,7 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                 else:
                     _world_gather(book, what, param_bytes * s, hier)
             book.prefetched = False
+            book.beside_backward = beside and k > 0
             if mode.gradient_bits is not None:
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
             else:
@@ -419,9 +441,11 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
             else:
                 book.reduce_scatter("gradient reduce-scatter", grad_bytes * p)
+            book.beside_backward = False  # the publish, in the step
             _world_gather(book, "weight all-gather", param_bytes * s, hier)
         else:
             book.all_reduce("gradient all-reduce", grad_bytes * u.numel)
+    book.beside_backward = False
     if mode.stage >= 1:
         book.all_reduce("gradient norm", 8)
     return Traffic(tuple(book.calls))
@@ -504,33 +528,44 @@ def call_time(c: Call, cluster: Cluster) -> float:
     return max(t_inter, t_intra)
 
 
-def _comm_parts(t: Traffic, cluster: Cluster) -> tuple[float, float, float]:
-    """Seconds per step of ``t``'s calls in line, prefetched (stage 3's forward gathers) and in
-    the background (the outer sync)."""
-    parts = [0.0, 0.0, 0.0]
+def _comm_parts(t: Traffic, cluster: Cluster) -> tuple[float, float, float, float]:
+    """Seconds per step of ``t``'s calls in line, under the forward (stage 3's prefetched
+    forward gathers), under the backward (prefetched backward gathers and overlapped
+    reductions) and in the background (the outer sync)."""
+    parts = [0.0, 0.0, 0.0, 0.0]
     for c in t.calls:
-        parts[2 if c.background else 1 if c.prefetched else 0] += call_time(c, cluster) * c.weight
-    return parts[0], parts[1], parts[2]
+        k = 3 if c.background else 1 if c.prefetched else 2 if c.beside_backward else 0
+        parts[k] += call_time(c, cluster) * c.weight
+    return parts[0], parts[1], parts[2], parts[3]
 
 
 def step_time(t: Traffic, cluster: Cluster, profile: Profile) -> tuple[float, float]:
-    """(step seconds, communication seconds) of one step. Background calls (the outer sync
-    with ``delay`` > 0) show only where they exceed the step they run beside."""
-    sync, ahead, bg = _comm_parts(t, cluster)
+    """(step seconds, communication seconds) of one step: ``max(F c, under the forward) +
+    max((1 - F) c, under the backward) + in line x (1 - overlap)``; background calls (the
+    outer sync with ``delay`` > 0) show only where they exceed the step they run beside."""
+    sync, ahead, behind, bg = _comm_parts(t, cluster)
     fwd = profile.compute_s * FORWARD_SHARE
-    step = max(fwd, ahead) + profile.compute_s - fwd + sync * (1.0 - profile.overlap)
-    return step + max(0.0, bg - step), sync + ahead + bg
+    step = max(fwd, ahead) + max(profile.compute_s - fwd, behind) + sync * (1.0 - profile.overlap)
+    return step + max(0.0, bg - step), sync + ahead + behind + bg
 
 
 def compute_from_step(step_s: float, t: Traffic, cluster: Cluster) -> float:
-    """The compute of a measured step whose calls are ``t`` (:func:`step_time` solved for
-    ``compute_s``; 0 when the communication alone explains the step)."""
-    sync, ahead, _ = _comm_parts(t, cluster)
-    rest = step_s - sync  # = max(F c, ahead) + (1 - F) c
-    c = rest
-    if ahead > FORWARD_SHARE * c:  # the forward waited on its gathers
-        c = (rest - ahead) / (1.0 - FORWARD_SHARE)
-    return max(0.0, c)
+    """The compute of a measured step whose calls are ``t``: :func:`step_time` solved for
+    ``compute_s`` (it is continuous and nondecreasing in it; bisection); 0 when the
+    communication alone explains the step."""
+    def at(c: float) -> float:
+        return step_time(t, cluster, Profile(c))[0]
+    if at(0.0) >= step_s:
+        return 0.0
+    lo, hi = 0.0, max(step_s, 1e-9)
+    while at(hi) < step_s:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < step_s else (lo, mid)
+        if hi - lo <= 1e-12 * max(1.0, hi):
+            break
+    return hi
 
 
 def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
