@@ -15,6 +15,20 @@ freed tensors leave the resident set), against:
   prefetch peak (``engine.prefetch_stats.peak_inflight_numel``) plus two units (the one
   computing and the one being released), 4 bytes an element;
 * and the rest: activations of one micro-batch, temporaries, the allocator.
+
+With ``--offload nvme`` (``offload_optimizer.device: "nvme"`` under ``--nvme-path``) the
+moments leave memory for ``buffer_count`` host buffers of one unit's moments each. Each row
+then has a predicted peak from terms measured apart from the ZeRO run (the README's formula
+for each setting, zpp.tune.cost.offload_peak_bytes): a calibration in the launching process,
+before any rank starts, measures on one plain torch GPT of the same shape the activations of
+one micro-batch (the resident rise over a forward and backward, less the gradients) and
+torch's AdamW temporaries per element of the largest tensor it steps (the rise over a step of
+one tensor of the largest unit shard's size). The peak is the larger of the backward (states
+at rest, the live units, a unit's full gradient, the activations) and the step (states, the
+temporaries of one unit's shard: zpp steps unit by unit, one tensor each).
+
+    python perf/memory_bench.py --world 2 --n-layer 8 --n-embd 512 --offload none
+    python perf/memory_bench.py --world 2 --n-layer 8 --n-embd 512 --offload nvme
 """
 from __future__ import annotations
 
@@ -55,28 +69,86 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
            "zpp": {"check_metadata": False}}
+    if args.offload == "nvme":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path,
+                                                         "buffer_count": args.buffer_count}
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     psi = sum(u.layout.numel for u in engine.units)
     g = torch.Generator().manual_seed(t.rank)
-    for _ in range(args.steps):
+    phases = {}
+    for i in range(args.steps):
         x, y = data.batch(args.batch, args.block, g)
-        engine.backward(engine(x, y))
-        engine.step()
-    peak = _status("VmHWM") - base
+        last = i == args.steps - 1
+        if last:  # each phase's own peak in the last step (VmHWM reset before it)
+            peak_so_far = _status("VmHWM")
+            for name, run in (("forward", lambda: engine(x, y)), ("backward", None), ("step", engine.step)):
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                if name == "forward":
+                    loss = run()
+                elif name == "backward":
+                    engine.backward(loss)
+                else:
+                    run()
+                phases[name] = _status("VmHWM") - base
+                peak_so_far = max(peak_so_far, _status("VmHWM"))
+        else:
+            engine.backward(engine(x, y))
+            engine.step()
+    peak = max(_status("VmHWM"), peak_so_far) - base
     biggest = max(u.layout.padded_numel for u in engine.units)
     live = (engine.prefetch_stats.peak_inflight_numel + 2 * biggest) * 4
     held = engine.model_state_bytes()
     engine.close()
+    shards = [u.flat.master.numel() for u in engine.units if u.trainable]
     row = {"rank": t.rank, "params": psi, "peak_bytes": peak, "construction_peak_bytes": built,
             "formula_bytes": 16 * psi // t.world_size, "live_units_bytes": live, "held_bytes": held,
-            "units": len(engine.units), "biggest_unit_numel": biggest}
+            "units": len(engine.units), "biggest_unit_numel": biggest, "offload": args.offload,
+            "shard_numel": sum(shards), "biggest_shard_numel": max(shards), "prefetch_peak_numel":
+            engine.prefetch_stats.peak_inflight_numel, "unit_numels": [u.layout.numel for u in engine.units],
+            "phase_peak_bytes": phases}
     with open(os.path.join(args.out_dir, f"rank{t.rank}.json"), "w") as f:
         json.dump(row, f)
+
+
+def calibrate(args, shard_numel: int) -> dict:
+    """One plain torch GPT of the run's shape on this process, no ZeRO: the activations of one
+    micro-batch and AdamW's temporaries per element of one tensor (see the docstring)."""
+    import torch
+
+    from tests.gpt import GPT, CharCorpus, GPTConfig
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block))
+    psi = sum(p.numel() for p in model.parameters())
+    x, y = CharCorpus(max_bytes=200_000).batch(args.batch, args.block, torch.Generator().manual_seed(0))
+    model(x, y).backward()  # the first backward allocates the gradients
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    model(x, y).backward()  # gradients exist: the rise is the activations (and autograd's own)
+    activations = _status("VmHWM") - before
+    del model
+    p = torch.nn.Parameter(torch.randn(shard_numel))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    opt.step()  # the moments exist
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    opt.step()
+    per_elem = (_status("VmHWM") - before) / (4 * shard_numel)
+    return {"params": psi, "activations_bytes": activations, "step_temporaries_per_fp32": per_elem}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     trainlib.add_model_args(p, n_layer=16, n_embd=720, block=128, batch=1, steps=3, warmup=0)
+    p.add_argument("--offload", choices=("none", "nvme"), default="none",
+                   help="offload_optimizer.device (nvme: under --nvme-path)")
+    p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-memory-bench"))
+    p.add_argument("--buffer-count", type=int, default=4)
     args = p.parse_args(argv)
     args.n_head = 8 if args.n_embd % 8 == 0 else args.n_head
     import tempfile
@@ -85,6 +157,18 @@ def main(argv=None) -> int:
         args.out_dir = tmp
         trainlib.launch(_rank, args)
         rows = [json.loads(open(os.path.join(tmp, f"rank{r}.json")).read()) for r in range(args.world)]
+    from zpp.tune import cost
+
+    cal = calibrate(args, max(r["biggest_shard_numel"] for r in rows))
+    one_node = cost.Cluster(1, args.world, cost.LINKS["loopback"], cost.LINKS["loopback"])
+    for r in rows:
+        r["predicted"] = cost.resident_peak(
+            cost.MODES["zero3"], [cost.UnitShape(n) for n in r["unit_numels"]], one_node,
+            activations=cal["activations_bytes"], step_temporaries=cal["step_temporaries_per_fp32"],
+            nvme_buffers=args.buffer_count if args.offload == "nvme" else 0,
+            live_numel=r["prefetch_peak_numel"] + 2 * r["biggest_unit_numel"])
+        r["predicted_peak_bytes"] = r["predicted"]["peak"]
+        r["error"] = abs(r["predicted_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
     mib = 1 << 20
     print(f"# memory_bench: world={len(rows)} GPT {args.n_layer} x {args.n_embd}, {rows[0]['params']} parameters, "
           f"batch {args.batch} x {args.block}")
@@ -95,11 +179,18 @@ def main(argv=None) -> int:
         print(f"{r['rank']:>4} {r['peak_bytes'] / mib:>9.0f} {r['formula_bytes'] / mib:>12.0f} "
               f"{r['live_units_bytes'] / mib:>15.0f} {rest / mib:>9.0f} {r['construction_peak_bytes'] / mib:>17.0f} "
               f"{4 * r['params'] / mib:>10.0f}")
+    print(f"# offload {args.offload}: calibration {json.dumps(cal)}")
+    for r in rows:
+        pr = r["predicted"]
+        print(f"rank {r['rank']}: peak {r['peak_bytes'] / mib:.0f} MiB, predicted {pr['peak'] / mib:.0f} MiB "
+              f"({r['error']:.1%}; states {pr['states'] / mib:.0f}, backward {pr['backward'] / mib:.0f}, "
+              f"step {pr['step'] / mib:.0f}); measured by phase (last step): "
+              + ", ".join(f"{k} {v / mib:.0f}" for k, v in r["phase_peak_bytes"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**runinfo.provenance(), "model": {"n_layer": args.n_layer, "n_embd": args.n_embd,
                                                          "block": args.block, "batch": args.batch},
-                       "rows": rows}, f, indent=1)
+                       "offload": args.offload, "calibration": cal, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -173,6 +173,25 @@ def test_memory_by_hand():
     assert hpz["peak"] - m3["peak"] == 4 * 8192 // 2  # the secondary: 1/R of the unit
 
 
+def test_resident_peak_by_hand():
+    """[Note: the resident peak]: three units of 8192 and 4096 elements on 4 ranks (shards
+    2048, 2048, 1024), moments in memory or on NVMe through 3 buffers."""
+    units = [UnitShape(8192), UnitShape(8192), UnitShape(4096)]
+    shard = 2048 + 2048 + 1024
+    for buffers, moments in ((0, 8 * shard), (3, 3 * 8 * 2048)):
+        m = cost.memory(MODES["zero3"], units, C22, nvme_buffers=buffers, live_numel=3 * 8192)
+        assert m["rest"] == 4 * shard + moments and m["grads"] == 4 * shard
+        assert m["peak"] == m["rest"] + 4 * 3 * 8192 + 4 * shard + 4 * 8192  # live units, grad shards, a unit's grad
+        r = cost.resident_peak(MODES["zero3"], units, C22, activations=1_000_000, step_temporaries=2.0,
+                               nvme_buffers=buffers, live_numel=3 * 8192)
+        assert r["backward"] == m["peak"] + 1_000_000
+        assert r["step"] == 4 * shard + moments + 4 * shard + 2.0 * 4 * 2048  # two copies of the biggest shard
+        assert r["peak"] == max(r["backward"], r["step"]) == r["backward"]
+    # the optimizer step sets the peak when its temporaries outweigh the activations
+    r = cost.resident_peak(MODES["zero3"], units, C22, activations=0, step_temporaries=40.0)
+    assert r["peak"] == r["step"] > r["backward"]
+
+
 def test_modes_write_deepspeed_configs():
     assert MODES["zero3-zeropp"].config(2) == {"zero_optimization": {
         "stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}}

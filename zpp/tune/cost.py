@@ -66,8 +66,19 @@ measured (a run whose communication time the model knows, less that time) or fro
 (+ the hpZ secondary ``b Psi / R`` while valid); gradients: the fp32 full buffers while a
 unit's backward runs, the reduced fp32 shard kept until the step (``4 Psi / W`` from stage
 2, ``4 Psi`` below); optimizer: Adam's two fp32 moments ``8 Psi / W`` from stage 1 (``8 Psi``
-at stage 0; in host memory with ``offload``); the outer mode adds ``8 Psi / R``. The peak
-adds the profile's ``other_bytes`` (activations, the framework), measured once per model.
+at stage 0; in host memory with ``offload``; on NVMe ``buffer_count`` host buffers of the
+largest unit's moments); the outer mode adds ``8 Psi / R``. The peak adds the profile's
+``other_bytes`` (activations, the framework), measured once per model.
+
+[Note: the resident peak]
+:func:`resident_peak` splits ``other_bytes`` where the optimizer tier changes it: a rank's
+resident peak above what it held before the model is the larger of the backward (the states
+at rest, the reduced gradient shards, the gathered units, a unit's full gradient and one
+micro-batch's activations) and the optimizer step (the states, the gradient shards and
+torch's AdamW temporaries: about two fp32 copies of the largest tensor it steps on the host,
+where torch runs the single-tensor loop; zpp steps one flat master per unit). Both measured
+terms (activations, temporaries per element) come from a plain torch run of the model
+(perf/memory_bench.py's calibration), not from the ZeRO run they predict.
 """
 from __future__ import annotations
 
@@ -84,7 +95,7 @@ from zpp.zero.shard import SHARD_ALIGN
 __all__ = [
     "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
     "FORWARD_SHARE", "WIRE_OVERHEAD", "all_reduce_link_bytes", "compute_from_step", "even_units", "memory",
-    "predict", "step_time", "traffic", "units_from_trace",
+    "predict", "resident_peak", "step_time", "traffic", "units_from_trace",
 ]
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -569,8 +580,12 @@ def compute_from_step(step_s: float, t: Traffic, cluster: Cluster) -> float:
 
 
 def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
-           prefetch_units: int = 1) -> dict[str, float]:
-    """Model-state bytes per rank: at rest (between steps) and at the peak of a step."""
+           prefetch_units: int = 1, nvme_buffers: int = 0, live_numel: int | None = None) -> dict[str, float]:
+    """Model-state bytes per rank: at rest (between steps) and at the peak of a step.
+    ``nvme_buffers``: the moments are on NVMe (``offload_optimizer.device: "nvme"``) and
+    this many host buffers of one unit's moments stand for them; ``live_numel``: the
+    gathered elements held at once at stage 3, where measured (else the biggest unit times
+    ``1 + prefetch_units``)."""
     inner = cluster.ranks_per_node if mode.outer is not None else cluster.world
     W, R = inner, cluster.ranks_per_node
     psi = sum(u.numel for u in units)
@@ -578,11 +593,13 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
     biggest = max((u.shard(W) * W for u in units), default=0)
     if mode.stage == 3:
         params = param_bytes * shard
-        live = param_bytes * biggest * (1 + prefetch_units)  # gathered units in flight
+        live = param_bytes * (biggest * (1 + prefetch_units) if live_numel is None else live_numel)
         secondary = param_bytes * shard * W // R if mode.hpz and R > 1 else 0
     else:
         params, live, secondary = param_bytes * psi, 0, 0
     optim = 8 * (shard if mode.stage >= 1 else psi)
+    if nvme_buffers:  # each buffer holds one unit's two moments
+        optim = nvme_buffers * 8 * max((u.shard(W) for u in units), default=0)
     host = optim if mode.offload else 0
     optim -= host
     grads = 4 * (shard if mode.stage >= 2 else psi)
@@ -591,7 +608,24 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
     if mode.onebit:  # fused fp32 copies of parameters and gradients, moments, two error buffers
         optim = 4 * psi * 5
     rest = params + optim + outer
-    return {"rest": rest, "peak": rest + secondary + live + grads + unit_grad, "host": host}
+    return {"rest": rest, "peak": rest + secondary + live + grads + unit_grad, "host": host, "grads": grads}
+
+
+def resident_peak(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, activations: float,
+                  step_temporaries: float, nvme_buffers: int = 0, live_numel: int | None = None,
+                  param_bytes: int = 4) -> dict[str, float]:
+    """A rank's peak resident bytes above what it held before the model (fp32 AdamW on the
+    host; [Note: the resident peak]): the larger of the backward (:func:`memory`'s peak plus
+    one micro-batch's ``activations``) and the optimizer step (the states at rest, the
+    reduced gradients and torch's temporaries: ``step_temporaries`` bytes per fp32 element
+    of the largest tensor stepped, one unit's master, as zpp steps unit by unit in memory
+    and on NVMe alike)."""
+    m = memory(mode, units, cluster, param_bytes=param_bytes, nvme_buffers=nvme_buffers, live_numel=live_numel)
+    W = cluster.ranks_per_node if mode.outer is not None else cluster.world
+    stepped = max((u.shard(W) if mode.stage >= 1 else u.numel for u in units), default=0)
+    backward = m["peak"] + activations
+    step = m["rest"] + m["grads"] + step_temporaries * 4 * stepped
+    return {"states": m["rest"] + m["grads"], "backward": backward, "step": step, "peak": max(backward, step)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
