@@ -442,7 +442,7 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                 else:
                     _world_gather(book, what, param_bytes * s, hier)
             book.prefetched = False
-            book.beside_backward = beside and k > 0
+            book.beside_backward = beside and k > 0  # the gathers above set it per phase
             if mode.gradient_bits is not None:
                 _qgz(book, "gradient reduce-scatter", p, mode.gradient_bits, mode.gradient_group_size)
             else:
@@ -579,6 +579,17 @@ def compute_from_step(step_s: float, t: Traffic, cluster: Cluster) -> float:
     return hi
 
 
+def _zero_world(mode: Mode, cluster: Cluster) -> int:
+    """The ranks a unit is sharded over: the node under the hierarchical mode, else the world."""
+    return cluster.ranks_per_node if mode.outer is not None else cluster.world
+
+
+def _largest_stepped(mode: Mode, units: Sequence[UnitShape], W: int) -> int:
+    """Elements of the largest tensor the optimizer steps at once: one unit's master shard
+    (the whole unit at stage 0)."""
+    return max((u.shard(W) if mode.stage >= 1 else u.numel for u in units), default=0)
+
+
 def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
            prefetch_units: int = 1, nvme_buffers: int = 0, live_numel: int | None = None) -> dict[str, float]:
     """Model-state bytes per rank: at rest (between steps) and at the peak of a step.
@@ -586,8 +597,7 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
     this many host buffers of one unit's moments stand for them; ``live_numel``: the
     gathered elements held at once at stage 3, where measured (else the biggest unit times
     ``1 + prefetch_units``)."""
-    inner = cluster.ranks_per_node if mode.outer is not None else cluster.world
-    W, R = inner, cluster.ranks_per_node
+    W, R = _zero_world(mode, cluster), cluster.ranks_per_node
     psi = sum(u.numel for u in units)
     shard = sum(u.shard(W) for u in units)
     biggest = max((u.shard(W) * W for u in units), default=0)
@@ -599,7 +609,7 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
         params, live, secondary = param_bytes * psi, 0, 0
     optim = 8 * (shard if mode.stage >= 1 else psi)
     if nvme_buffers:  # each buffer holds one unit's two moments
-        optim = nvme_buffers * 8 * max((u.shard(W) for u in units), default=0)
+        optim = nvme_buffers * 8 * _largest_stepped(mode, units, W)
     host = optim if mode.offload else 0
     optim -= host
     grads = 4 * (shard if mode.stage >= 2 else psi)
@@ -621,8 +631,7 @@ def resident_peak(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, a
     of the largest tensor stepped, one unit's master, as zpp steps unit by unit in memory
     and on NVMe alike)."""
     m = memory(mode, units, cluster, param_bytes=param_bytes, nvme_buffers=nvme_buffers, live_numel=live_numel)
-    W = cluster.ranks_per_node if mode.outer is not None else cluster.world
-    stepped = max((u.shard(W) if mode.stage >= 1 else u.numel for u in units), default=0)
+    stepped = _largest_stepped(mode, units, _zero_world(mode, cluster))
     backward = m["peak"] + activations
     step = m["rest"] + m["grads"] + step_temporaries * 4 * stepped
     return {"states": m["rest"] + m["grads"], "backward": backward, "step": step, "peak": max(backward, step)}
