@@ -96,6 +96,7 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
             engine.backward(engine(x, y))
             engine.step()
     peak = max(_status("VmHWM"), peak_so_far) - base
+    checkpoint = _checkpoint_phases(engine, args, base) if args.checkpoint else {}
     biggest = max(u.layout.padded_numel for u in engine.units)
     live = (engine.prefetch_stats.peak_inflight_numel + 2 * biggest) * 4
     held = engine.model_state_bytes()
@@ -106,9 +107,43 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
             "units": len(engine.units), "biggest_unit_numel": biggest, "offload": args.offload,
             "shard_numel": sum(shards), "biggest_shard_numel": max(shards), "prefetch_peak_numel":
             engine.prefetch_stats.peak_inflight_numel, "unit_numels": [u.layout.numel for u in engine.units],
-            "phase_peak_bytes": phases}
+            "phase_peak_bytes": phases, "checkpoint_phases": checkpoint}
     with open(os.path.join(args.out_dir, f"rank{t.rank}.json"), "w") as f:
         json.dump(row, f)
+
+
+def _checkpoint_phases(engine, args, base: int) -> dict:
+    """A save and a load of the trained engine: each one's VmHWM peak above ``base`` (mapped
+    file pages included) and its sampled rise of anonymous memory (RssAnon, every 2 ms: what
+    the process itself allocated; the page cache of a mapped file is not in it)."""
+    import shutil
+    import threading
+
+    out = {}
+    root = os.path.join(args.checkpoint, "memory_bench_checkpoints")
+    try:
+        for name, run in (("save", lambda: engine.save_checkpoint(root, tag="bench")),
+                          ("load", lambda: engine.load_checkpoint(root, tag="bench"))):
+            engine.job_world.barrier()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            anon0, peak, done = _status("RssAnon"), [0], threading.Event()
+
+            def sample():
+                while not done.wait(0.002):
+                    peak[0] = max(peak[0], _status("RssAnon"))
+            th = threading.Thread(target=sample, daemon=True)
+            th.start()
+            run()
+            done.set()
+            th.join()
+            peak[0] = max(peak[0], _status("RssAnon"))
+            out[name] = {"hwm_bytes": _status("VmHWM") - base, "anon_rise_bytes": peak[0] - anon0}
+        engine.job_world.barrier()
+    finally:
+        if engine.job_world.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 def calibrate(args, shard_numel: int) -> dict:
@@ -149,6 +184,9 @@ def main(argv=None) -> int:
                    help="offload_optimizer.device (nvme: under --nvme-path)")
     p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-memory-bench"))
     p.add_argument("--buffer-count", type=int, default=4)
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="after training, save and load a checkpoint under DIR (shared by the ranks) and report "
+                        "each one's peak and rise of anonymous memory")
     args = p.parse_args(argv)
     args.n_head = 8 if args.n_embd % 8 == 0 else args.n_head
     import tempfile
@@ -186,6 +224,9 @@ def main(argv=None) -> int:
               f"({r['error']:.1%}; states {pr['states'] / mib:.0f}, backward {pr['backward'] / mib:.0f}, "
               f"step {pr['step'] / mib:.0f}); measured by phase (last step): "
               + ", ".join(f"{k} {v / mib:.0f}" for k, v in r["phase_peak_bytes"].items()))
+        for k, c in r["checkpoint_phases"].items():
+            print(f"rank {r['rank']}: {k}_checkpoint peak {c['hwm_bytes'] / mib:.0f} MiB, anonymous rise "
+                  f"{c['anon_rise_bytes'] / mib:.0f} MiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**runinfo.provenance(), "model": {"n_layer": args.n_layer, "n_embd": args.n_embd,

@@ -24,8 +24,12 @@ back while the next steps; the writes of the last units finish under the next fo
   that read it, and never enters the optimizer or a checkpoint.
 * The file is not a checkpoint: it is truncated when opened (a crashed run's file is never
   read), locked (``flock``) against a second job on the same path, and removed at
-  ``engine.close()``. ``save_checkpoint`` reads the state back through the same buffers
-  into the usual verified shard files.
+  ``engine.close()``. ``save_checkpoint`` writes the state into the usual verified shard
+  files from read-only memory maps of the swap file (:meth:`SwapFile.mapped`, CRCs checked
+  first), so a save holds no copy of the offloaded state in the process's own memory (the
+  page cache holds what it reads, and the kernel can drop it); a load hands each unit's
+  state to the file as it is applied (:meth:`~zpp.zero.modes.nvme.NvmeMode.optimizer_state_loaded`),
+  one unit at a time.
 """
 from __future__ import annotations
 
@@ -68,8 +72,12 @@ class Entry:
     start: int  # byte offset inside the region (4 KiB aligned)
 
     @property
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
+
+    @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -280,8 +288,29 @@ class SwapFile:
         self._crcs[offset] = zlib.crc32(mem)  # before the write: what the file must give back
         self._io(os.pwrite, mem, offset)
 
+    def mapped(self, region: Region) -> dict[str, torch.Tensor]:
+        """``region``'s tensors as views of the file itself (a private memory map, read only
+        by zpp), each request's CRC32 checked first: their pages are the page cache's, which
+        the kernel can drop and read again, not a copy in the process's memory. A checkpoint
+        writes a unit's state from them with no buffer (see [Note: NVMe swap])."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mm = mmap.mmap(fd, region.nbytes, access=mmap.ACCESS_COPY, offset=region.offset)
+        finally:
+            os.close(fd)
+        with memoryview(mm) as mem:
+            for i in range(0, region.nbytes, self.aio.block_size):
+                with mem[i:i + self.aio.block_size] as part:
+                    self._check_crc(part, region.offset + i)
+        self.read_bytes += region.nbytes
+        return {e.key: torch.frombuffer(mm, dtype=e.dtype, count=e.numel, offset=e.start).view(e.shape)
+                for e in region.entries}
+
     def _pread(self, mem: memoryview, offset: int) -> None:
         self._io(lambda fd, m, off: os.preadv(fd, [m], off), mem, offset)
+        self._check_crc(mem, offset)
+
+    def _check_crc(self, mem: memoryview, offset: int) -> None:
         want, got = self._crcs.get(offset), zlib.crc32(mem)
         if got != want:
             raise OSError(errno.EIO, f"NVMe swap {self.path} is corrupt: the {len(mem):,} bytes at offset {offset:,} "

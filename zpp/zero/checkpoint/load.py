@@ -13,7 +13,10 @@ Every rank first reads and checks every file it needs (sizes and CRC32 against
 ``meta.json``, the shards against ``meta.json``'s units, the names against the model) into
 memory without touching the engine; the ranks then agree (see [Note: agreement] in
 :mod:`zpp.zero.checkpoint.agree`), and only if every rank succeeded does any rank change
-its engine. A failed load leaves every rank's engine exactly as it was.
+its engine. A failed load leaves every rank's engine exactly as it was. The shard files are
+read as memory maps; each unit's values and optimizer state are assembled from them (memory
+copies of checked bytes, nothing that can fail on bad input) only while it is applied, one
+unit at a time, so a load holds one unit's state beside the engine's, not the whole model's.
 
 [Note: loading modes]
 Each mode's state is read by its reshard rule (see [Note: mode state in checkpoints] in
@@ -34,9 +37,11 @@ another number of nodes, and for an engine without ``zpp.outer``, every rank loa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +71,7 @@ class _Read:
 
     path: Path
     meta: dict[str, Any]
-    units: list[tuple[Any, torch.Tensor, dict | None]]  # (unit, numel values, optimizer state or None: fresh)
+    units: list[tuple[Any, Callable[[], tuple[torch.Tensor, dict | None]]]]  # (unit, its values and state)
     extra: dict[str, Any]  # meta.pt
     client_state: dict
     modes: list[tuple[Any, Any, bool]]  # (mode, its per-rank or replicated state or None, whether it is its own)
@@ -173,7 +178,7 @@ def _read(engine, root: Path, tag: Any, *, strict: bool, optimizer: bool, schedu
                          "load_optimizer_states=False to start the optimizer afresh")
     client = load_torch(path / CLIENT_STATE, record(CLIENT_STATE), tag) if files is not None else {}
     unit_optimizer = optimizer and not any(m.owns_optimizer_state for m in engine.modes)
-    units = [(u, *_unit_values(u, by_name, unit_optimizer)) for u in engine.units]
+    units = [(u, functools.partial(_unit_values, u, by_name, unit_optimizer)) for u in engine.units]
     return _Read(path, meta, units, extra, client, modes, optimizer, scheduler, counters)
 
 
@@ -207,7 +212,9 @@ def read_parameters(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     path = Path(path)
     meta = _read_manifest(path, path.name)
     files = meta.get("files")
-    return _collect(path, meta, path.name, lambda name: None if files is None else files[name])
+    by_name = _collect(path, meta, path.name, lambda name: None if files is None else files[name])
+    return {n: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+            for n, p in by_name.items()}
 
 
 def _read_manifest(path: Path, tag: str) -> dict[str, Any]:
@@ -240,9 +247,9 @@ def _check_save_id(obj: dict, meta: dict, f: Path, tag: str) -> None:
                               f"{obj.get('save_id')!r}, meta.json {meta['save_id']!r})")
 
 
-def _collect(path: Path, meta: dict, tag: str, record, replica: int = 0) -> dict[str, dict[str, Any]]:
-    """Per parameter name of replica ``replica``: ``{"values": fp32, <optimizer key>: tensor
-    or scalar}``; see [Note: resharding]. Checks the shards against ``meta.json``."""
+def _collect(path: Path, meta: dict, tag: str, record, replica: int = 0) -> dict[str, SavedParameter]:
+    """Per parameter name of replica ``replica``: its :class:`SavedParameter` (values and
+    optimizer state); see [Note: resharding]. Checks the shards against ``meta.json``."""
     per = meta.get("replica_ranks", meta["world_size"])  # see [Note: loading replicas]
     ranks = range(replica * per, replica * per + (1 if meta["degree"] == 1 else per))
     declared = {tuple(u["names"]): u["numels"] for u in meta["units"]}
@@ -277,26 +284,60 @@ def _collect(path: Path, meta: dict, tag: str, record, replica: int = 0) -> dict
         if end < n:
             raise CheckpointError(f"load_checkpoint: tag {tag!r} ({path}): the shards cover only [0, {end}) of the "
                                   f"{n} elements of unit {names[0]!r}.. (meta.json lists it)")
-        flat = {"values": torch.cat([e["values"] for e in entries])[:n]}
-        sliced = {"values"}
+        sliced, scalars = ["values"], {}
         for k, v in entries[0].get("optim", {}).items():
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == entries[0]["values"].numel():
-                flat[k] = torch.cat([e["optim"][k] for e in entries])[:n]
-                sliced.add(k)
+                sliced.append(k)
             else:
-                flat[k] = v  # per-tensor scalars such as Adam's step
+                scalars[k] = v  # per-tensor scalars such as Adam's step
         off = 0
         for name, numel in zip(names, declared[names], strict=True):
-            out[name] = {k: (v[off:off + numel] if k in sliced else v) for k, v in flat.items()}
+            out[name] = SavedParameter(entries, off, numel, tuple(sliced), scalars)
             off += numel
     return out
+
+
+class SavedParameter(Mapping):
+    """One parameter of a checkpoint, ``{"values": fp32 vector, <optimizer key>: tensor or
+    scalar}``: each per-element tensor is cut from the shard files' mapped tensors when it is
+    asked for (this parameter's range alone; nothing is kept), so reading a checkpoint
+    holds no copy of the model states (see [Note: no half-loaded engine])."""
+
+    __slots__ = ("_entries", "_off", "numel", "_sliced", "_scalars")
+
+    def __init__(self, entries: list[dict], off: int, numel: int, sliced: tuple[str, ...], scalars: dict) -> None:
+        self._entries, self._off, self.numel = entries, off, numel
+        self._sliced, self._scalars = sliced, scalars
+
+    def per_element(self, key: str) -> bool:
+        return key in self._sliced
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._scalars:
+            return self._scalars[key]
+        if key not in self._sliced:
+            raise KeyError(key)
+        lo, hi, parts = self._off, self._off + self.numel, []
+        for e in self._entries:  # each covers [start, stop) of the unit, in order, contiguous
+            a, b = max(lo, e["start"]), min(hi, e["stop"])
+            if a < b:
+                t = e["values"] if key == "values" else e["optim"][key]
+                parts.append(t[a - e["start"]:b - e["start"]])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def __iter__(self):
+        yield from self._sliced
+        yield from self._scalars
+
+    def __len__(self) -> int:
+        return len(self._sliced) + len(self._scalars)
 
 
 def _check_names(engine, by_name: dict, extra: dict, meta: dict, path: Path, strict: bool) -> None:
     """Sizes must match; with ``strict`` the names too (parameters and buffers)."""
     params = {n: s.numel for u in engine.units for n, s in zip(u.names, u.layout.slots, strict=True)}
-    sizes = [f"{n} ({by_name[n]['values'].numel()} in the checkpoint, {k} in the model)"
-             for n, k in params.items() if n in by_name and by_name[n]["values"].numel() != k]
+    sizes = [f"{n} ({by_name[n].numel} in the checkpoint, {k} in the model)"
+             for n, k in params.items() if n in by_name and by_name[n].numel != k]
     if sizes:
         raise ValueError(f"load_checkpoint: {path}: parameters of another size: {sizes[:8]} (of {len(sizes)})")
     if not strict:
@@ -332,16 +373,17 @@ def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, 
     if not (u.trainable and with_optimizer) or any(p is None for p in parts):
         return values, None
     state = {}
-    for k, v in parts[0].items():
+    for k in parts[0]:
         if k == "values":
             continue
-        per_element = all(isinstance(p.get(k), torch.Tensor) and p[k].dim() == 1 and p[k].numel() == slot.numel
-                          for p, slot in zip(parts, lay.slots, strict=True))
+        per_element = all(p.per_element(k) and p.numel == slot.numel for p, slot in zip(parts, lay.slots, strict=True))
         if per_element:  # else per-tensor (Adam's step; a client optimizer's 1-element counter): as saved
-            full = torch.zeros(lay.padded_numel, dtype=v.dtype)
-            full[:lay.numel] = torch.cat([p[k] for p in parts])
+            whole = torch.cat([p[k] for p in parts])
+            full = torch.zeros(lay.padded_numel, dtype=whole.dtype)
+            full[:lay.numel] = whole
             state[k] = full[lay.owned(f.rank)].clone().to(f.master.device)
         else:
+            v = parts[0][k]
             state[k] = v.clone() if isinstance(v, torch.Tensor) else v
     return values, state
 
@@ -350,7 +392,8 @@ def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, 
 def _apply(engine, read: _Read) -> None:
     opt = engine.optimizer
     unit_optimizer = read.load_optimizer and not any(m.owns_optimizer_state for m in engine.modes)
-    for u, values, state in read.units:
+    for u, assemble in read.units:  # one unit's values and state in memory at a time
+        values, state = assemble()
         u.load_flat(values)
         state = dict(state) if state else {}
         by_mode = {name: {} for name in MODES}  # per-element mode state: see [Note: loading modes]
@@ -365,6 +408,9 @@ def _apply(engine, read: _Read) -> None:
                 opt.state[u.flat.master] = state
             else:
                 opt.state.pop(u.flat.master, None)
+            for m in engine.modes:
+                m.optimizer_state_loaded(u)
+        del values, state
     if read.load_optimizer:
         for g, saved in zip(opt.param_groups, read.extra["param_groups"], strict=True):
             g.update(saved)

@@ -271,17 +271,27 @@ def _unit_entries(engine, exclude_frozen: bool) -> list[dict[str, Any]]:
         entry = {"names": list(u.names), "numels": [s.numel for s in lay.slots], "padded": lay.padded_numel,
                  "start": own.start, "stop": own.stop, "trainable": u.trainable}
         if u.trainable:
-            entry["values"] = f.master.detach().clone()
-            entry["optim"] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+            entry["values"] = _alone(f.master)
+            entry["optim"] = {k: (_alone(v) if isinstance(v, torch.Tensor) else v)
                               for k, v in opt.state.get(f.master, {}).items()}
             for m in engine.modes:  # state a mode keeps outside the optimizer (NVMe), under its own keys
                 entry["optim"].update(m.swapped_state(u))
             for m in engine.modes:  # per-element mode state reshards like the optimizer's
                 entry["optim"].update({f"{m.name}.{k}": v for k, v in m.unit_state(u).items()})
         else:
-            entry["values"] = f.shard.detach().float().clone()
+            entry["values"] = _alone(f.shard.detach().float())
         units.append(entry)
     return units
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, as a tensor that is its whole storage: itself if it is one already (a
+    stage 3 shard, an optimizer moment: no copy, so a save holds no second copy of the model
+    states), else a copy (a view into a larger buffer, which ``torch.save`` would write whole).
+    ``torch.save`` runs before the engine changes anything again."""
+    t = t.detach()
+    whole = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
 
 
 def _check_visible(staging: Path, files: dict[str, dict], root: Path) -> None:

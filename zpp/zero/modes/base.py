@@ -151,6 +151,10 @@ class Mode:
     def load_unit_state(self, unit: Unit, state: dict[str, torch.Tensor] | None) -> None:
         """Restore :meth:`unit_state` for the range this rank owns now."""
 
+    def optimizer_state_loaded(self, unit: Unit) -> None:
+        """A load has just set ``unit``'s optimizer state (before the next unit's is built);
+        :meth:`after_load` follows once every unit is loaded."""
+
     def state_bytes(self, nbytes: Callable[[torch.Tensor | None], int]) -> dict[str, int]:
         """Bytes of model states the mode holds, by :func:`zpp.zero.memory.model_state_bytes`'s
         keys (``nbytes`` counts each storage once)."""

@@ -51,7 +51,6 @@ class NvmeMode(Mode):
         self.units = tuple(units)
         self._index = {id(u): k for k, u in enumerate(self.units)}  # unit -> its region's key
         self.swap = swap
-        self.buffer_count = buffer_count
         self.regions: dict[int, Region] = {}  # unit index -> its state on disk
         self.buffers = BufferPool(buffer_count)
 
@@ -87,7 +86,7 @@ class NvmeMode(Mode):
         for u in todo:
             u.flat.master.grad = None
         reads: dict[int, Transfer] = {}
-        ahead = max(1, self.buffer_count - 1)
+        ahead = max(1, self.buffers.count - 1)
         issued = 0  # the units whose reads were issued: todo[:issued] (in order)
 
         def read_ahead(upto: int, *, wait: bool) -> None:
@@ -180,15 +179,21 @@ class NvmeMode(Mode):
 
     # ------------------------------------------------------------------ checkpoints
     def swapped_state(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """The per-element optimizer state of ``unit`` read back from the file (copies)."""
+        """The per-element optimizer state of ``unit``: read-only views of the file (checked;
+        no copy in memory, see [Note: NVMe swap])."""
         region = self.regions.get(self._index.get(id(unit)))
         if region is None:
             return {}
         self.buffers.finish_writes()
-        buf = self.buffers.wait(self.swap.read(region, self.buffers.get(region.nbytes)))
-        out = {e.key: buf.view(e).clone() for e in region.entries}
-        self.buffers.put(buf)
-        return out
+        return self.swap.mapped(region)
+
+    def optimizer_state_loaded(self, unit: Unit) -> None:
+        """A load set ``unit``'s optimizer state: to the file now, so a load holds one unit's
+        state at a time (buffer_count buffers), not the whole optimizer's."""
+        k = self._index.get(id(unit))
+        master = unit.flat.master
+        if k is not None and master in self.optimizer.state:
+            self._swap_out(k, master, None)
 
     def after_load(self) -> None:
         """A checkpoint set the optimizer's state: write what it put in memory to the file."""
