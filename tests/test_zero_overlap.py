@@ -195,3 +195,47 @@ def test_a_failed_backward_leaves_no_reduction_behind():
     for (l1, m1, p1), (l2, m2, p2) in zip(inline, overlapped, strict=True):
         assert p1 == p2 == 0
         assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True))
+
+
+def _rebuilt(t, name, times):
+    """Build, train one step and close an engine ``times`` times; after each close, the
+    process groups this rank holds and its open file descriptors."""
+    import os
+
+    from torch.distributed import distributed_c10d as c10d
+
+    zero, top = VARIANTS.get(name, ({"stage": 2}, {"zpp": {"outer": {"sync_every": 2}}}))
+    held = []
+    for _ in range(times):
+        engine, _, _, _ = zz.initialize(model=_model(), config=_config(zero, top, True), transport=t)
+        train_steps(engine, _batches("gpt", t.rank, 2))
+        made = [w for w in (engine._reduce_world, getattr(engine.outer, "inter", None)) if w is not None]
+        assert made  # a duplicate of the world was made (the reductions', or the outer sync's)
+        engine.close()
+        if t.name == "mpi":  # each duplicate's communicator (and its topology's) is freed
+            from mpi4py import MPI
+
+            held.append(all(w.comm == MPI.COMM_NULL for w in made))
+        else:
+            held.append((len(c10d._world.pg_map), len(os.listdir("/proc/self/fd"))))
+    return held
+
+
+@pytest.mark.parametrize("name", ["stage3", "stage3-zeropp", "outer"])
+def test_a_closed_engine_frees_its_duplicate_worlds(name):
+    """The reduction thread's duplicate of the world (and, with qgZ, the topology built over
+    it), and the hierarchical mode's duplicate for its sync (one rank per node), are freed at
+    close: engines built one after another (a notebook, a hyper-parameter search) hold no
+    more process groups or sockets than the first."""
+    rpn = 1 if name == "outer" else 2
+    for held in run_world(_rebuilt, 4, ranks_per_node=rpn, args=(name, 4), timeout=150):
+        groups, fds = zip(*held)
+        assert len(set(groups)) == 1, held  # each close gives back what its engine made
+        assert max(fds) <= fds[0] + 2, held
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not mpi_available(), reason="needs mpiexec and mpi4py")
+def test_a_closed_engine_frees_its_duplicate_communicators_mpi():
+    for held in run_world(_rebuilt, 4, backend="mpi", ranks_per_node=2, args=("stage3-zeropp", 2), timeout=170):
+        assert held == [True, True]

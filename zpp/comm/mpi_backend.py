@@ -70,7 +70,7 @@ from zpp.comm.counters import WireCounters
 from zpp.comm.faults import FaultChannel
 from zpp.comm.ring import ring_order, ring_reduce_scatter
 from zpp.comm.timeout import resolve_timeout
-from zpp.comm.topology import agree_on_layout
+from zpp.comm.topology import agree_on_layout, cached_topology
 from zpp.comm.transport import Transport, Work
 
 CUDA_AWARE_ENV = "ZPP_MPI_CUDA_AWARE"
@@ -321,6 +321,17 @@ class MpiTransport(Transport):
     def duplicate(self) -> MpiTransport:
         self.barrier()  # as in _subgroup: a dead peer raises here, not in Dup
         return self._over(self.comm.Dup(), tuple(range(self.world_size)))
+
+    def free(self) -> None:
+        MPI = _mpi()
+        topo = cached_topology(self)
+        comms = {}
+        for t in (self, *((topo.intra, topo.inter) if topo is not None else ())):
+            if isinstance(t, MpiTransport) and t.comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
+                comms[id(t.comm)] = t
+        for t in comms.values():
+            t.comm.Free()  # each member frees its own handle (MPI_Comm_free)
+            t.comm = MPI.COMM_NULL
 
     def _over(self, comm, members: tuple[int, ...]) -> MpiTransport:
         """A transport of these settings over ``comm``, whose ranks are ``members`` of this one."""

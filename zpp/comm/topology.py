@@ -261,6 +261,11 @@ class Topology:
 _CACHE_ATTR = "_zpp_topology"
 
 
+def cached_topology(world: Transport) -> Topology | None:
+    """The topology :func:`topology_of` cached on ``world``, or None (nothing is built)."""
+    return getattr(world, _CACHE_ATTR, None)
+
+
 def topology_of(world: Transport) -> Topology:
     """The :class:`Topology` of ``world``, built on first use (collectively: the first call
     must be made by every rank) and cached on the transport object."""

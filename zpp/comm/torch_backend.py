@@ -99,7 +99,7 @@ from zpp.comm.launch import detect
 from zpp.comm.rendezvous import export_env, init_torch_world
 from zpp.comm.ring import ring_order, ring_reduce_scatter
 from zpp.comm.timeout import resolve_timeout
-from zpp.comm.topology import agree_on_layout
+from zpp.comm.topology import agree_on_layout, cached_topology
 from zpp.comm.transport import Transport, Work
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -509,12 +509,29 @@ class TorchTransport(Transport):
         """The process groups this transport holds (its group and its reverse group)."""
         return [g for g in (self.group, self._reverse.group) if g is not None]
 
+    def free(self) -> None:
+        groups: dict[int, dist.ProcessGroup] = {}
+        topo = cached_topology(self)
+        for t in (self, *((topo.intra, topo.inter) if topo is not None else ())):
+            if isinstance(t, TorchTransport):
+                for g in (t.group, t._reverse.group):
+                    if g is not None and g is not dist.GroupMember.WORLD and g is not _default_group():
+                        groups[id(g)] = g
+                t.release()
+        if dist.is_initialized():
+            for g in groups.values():  # a sub-group that shares a group with its parent: once
+                dist.destroy_process_group(g)
+
     def release(self) -> None:
         """Drop this transport's process groups and works in flight; it is unusable
         afterwards. See [Note: clean exit] in :mod:`zpp.comm.teardown`."""
         self.group = None
         self._reverse.group = None
         self._inflight.clear()
+
+
+def _default_group():
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
 def _wait_all(works: list) -> None:

@@ -193,6 +193,14 @@ class Transport(abc.ABC):
         node, whose inter-node ranks are the whole world)."""
         raise NotImplementedError(f"{type(self).__name__}.duplicate")
 
+    def free(self) -> None:
+        """Release the communicator of a transport :meth:`duplicate` made, and those of the
+        sub-groups of its cached topology (:func:`zpp.comm.topology.topology_of`), once no
+        collective is in flight on them; the transport is unusable afterwards. Local (each
+        rank frees its own), for the owner of the duplicate to call at its close: without it
+        every engine built and closed keeps a process group (sockets, threads) until exit.
+        A no-op where there is nothing to release."""
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``world_size * inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
         self._begin("all_gather")

@@ -50,4 +50,5 @@ def build_outer(engine) -> OuterSync | None:
         # one rank per node: the inter-node ranks are the whole world, whose communicator the
         # torch transport shares with them; the sync gets its own (see [Note: background outer sync])
         inter = engine.job_world.duplicate()
-    return OuterSync(engine.units, cfg, inter, node=topo.node, world=engine.job_world)
+    return OuterSync(engine.units, cfg, inter, node=topo.node, world=engine.job_world,
+                     owns_inter=inter is not topo.inter)

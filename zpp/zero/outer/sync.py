@@ -119,9 +119,10 @@ class OuterSync:
     """
 
     def __init__(self, units: Sequence[Unit], config: OuterConfig, inter: Transport, *, node: int,
-                 world: Transport | None = None) -> None:
+                 world: Transport | None = None, owns_inter: bool = False) -> None:
         self.config = config
         self.inter = inter
+        self.owns_inter = owns_inter  # a duplicate made for the sync: freed at close
         self.node = node
         self.units = tuple(u for u in units if u.trainable)
         if not self.units:
@@ -256,6 +257,9 @@ class OuterSync:
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
                 self._worker = None
+            if self.owns_inter:
+                self.owns_inter = False
+                self.inter.free()
 
     # ------------------------------------------------------------------ checkpoints
     def unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:
