@@ -73,6 +73,26 @@ def _async_world(t: Transport, per_node: int) -> dict:
     w.wait()
     if not torch.equal(out, torch.arange(W).float().repeat_interleave(3)):
         raise AssertionError(f"after a refused overlapping call: {out}")
+    # the same for works composed over the world: the quantized all-gather, and the two-hop one
+    from zpp.comm.collectives import hierarchical_all_gather_async
+    from zpp.comm.topology import topology_of
+
+    for name, start in (("overlap quantized", lambda o: quantized_all_gather_async(
+                            o, torch.full((4,), float(r)), transport=t, bits=8, group_size=4)),
+                        ("overlap two-hop", lambda o: hierarchical_all_gather_async(
+                            o, torch.full((4,), float(r)), topology=topology_of(t)))):
+        out = torch.empty(4 * W)
+        w = start(out)
+        if w not in t.inflight:
+            raise AssertionError(f"{name}: {w!r} is not in the world's works in flight {t.inflight}")
+        try:
+            t.all_reduce(out[4:8])
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+        w.wait()
+        if t.inflight or not torch.equal(out, torch.arange(W).float().repeat_interleave(4)):
+            raise AssertionError(f"{name}: after a refused overlapping call: {out}, {t.inflight}")
     try:
         w.wait()
         errors["twice"] = None
@@ -130,7 +150,8 @@ def test_all_gather_async(backend, world_size, per_node):
         p = per_node or world_size
         assert rep["wire"]["async"] == (1, k * world_size, k * (p - 1), k * (world_size - p)), rep["wire"]
         errs = rep["errors"]
-        assert errs["overlap"] and "wait() that work" in errs["overlap"], errs
+        for key in ("overlap", "overlap quantized", "overlap two-hop"):
+            assert errs[key] and "wait() that work" in errs[key], (key, errs)
         assert errs["twice"] and "already waited" in errs["twice"], errs
         assert errs["size"] and "expected world_size*inp" in errs["size"], errs
 

@@ -106,7 +106,7 @@ def hierarchical_all_gather_async(out: torch.Tensor, inp: torch.Tensor, *, topol
             topology.intra.all_gather(second, first)
         out.view(N, R, n).copy_(second.view(R, N, n).transpose(0, 1))
 
-    return Work(name, finish, asynchronous=work.asynchronous)
+    return world.adopt(Work(name, finish, asynchronous=work.asynchronous), out)
 
 
 def quantized_all_gather_async(
@@ -160,7 +160,8 @@ def quantized_all_gather_async(
             full = zq.dequantize(whole, dtype=out.dtype).view(world, padded)
             out.view(world, n).copy_(full[:, :n])
 
-    return Work("quantized_all_gather", finish, asynchronous=any(w.asynchronous for w in works))
+    return transport.adopt(Work("quantized_all_gather", finish, asynchronous=any(w.asynchronous for w in works)),
+                           out)
 
 
 def _slices(out: torch.Tensor, inp: torch.Tensor, world: int, who: str) -> torch.Tensor:

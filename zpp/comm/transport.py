@@ -213,9 +213,15 @@ class Transport(abc.ABC):
         self._begin("all_gather")
         if not self._start_all_gather("all_gather_async", out, inp):
             return Work("all_gather", None, asynchronous=False)
-        work = self._all_gather_async(out, inp)
-        if not work.waited and work._finish is not None:
-            work.buffers = (_span(out),)
+        return self.adopt(self._all_gather_async(out, inp), out)
+
+    def adopt(self, work: Work, *outs: torch.Tensor) -> Work:
+        """Hold ``work`` (one of this transport's, or a collective composed over it and its
+        sub-transports, such as a two-hop all-gather) in :attr:`inflight` until it is waited,
+        with ``outs`` as its output: a call on this transport whose tensors overlap them
+        raises meanwhile (see [Note: asynchronous collectives]). Returns ``work``."""
+        if not work.waited and work._finish is not None and work._owner is None:
+            work.buffers = tuple(_span(o) for o in outs)
             work._owner = self
             self._inflight.append(work)
         return work
