@@ -11,6 +11,8 @@ the optimizer holds each time a unit is applied. The values are checked by
 tests/test_zero_nvme.py (round trips to the bit)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -45,10 +47,12 @@ def _save_and_load(t, root, nvme):
     owned = {u.flat.master.data_ptr() for u in trained}
     owned |= {v.data_ptr() for u in trained for v in opt.state.get(u.flat.master, {}).values()
               if isinstance(v, torch.Tensor) and v.dim() > 0}
-    seen = []
+    seen, fds = [], []
 
     def entries(engine, exclude_frozen):  # what the shard file is written from
+        before = len(os.listdir("/proc/self/fd"))
         out = real(engine, exclude_frozen)
+        fds.append(len(os.listdir("/proc/self/fd")) - before)  # maps of the swap file hold descriptors
         for e in out:
             if e["trainable"] and e["values"].numel():
                 tensors = [e["values"]] + [v for v in e["optim"].values() if isinstance(v, torch.Tensor) and v.dim()]
@@ -78,7 +82,8 @@ def _save_and_load(t, root, nvme):
             NvmeMode.optimizer_state_loaded = hook
     after = [k for s in opt.state.values() for k in _per_element(s)]
     engine.close()
-    return {"seen": seen, "owned": owned, "swap": swap, "held": held, "after": after, "units": len(trained)}
+    return {"seen": seen, "owned": owned, "swap": swap, "held": held, "after": after, "units": len(trained),
+            "fds": fds}
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])
@@ -96,3 +101,4 @@ def test_a_save_copies_no_model_state_and_a_load_holds_one_unit(tmp_path, offloa
             assert len(moments) == 2 * r["units"] and set(moments) == {r["swap"]}
             # each unit's state goes to the file before the next unit's is built
             assert r["held"] == [1] * r["units"] and r["after"] == []
+        assert r["fds"][0] <= 1, r["fds"]  # one map of the swap file for the whole save, not one per unit

@@ -208,6 +208,7 @@ class SwapFile:
         self.end = 0
         self.busy_s = 0.0  # wall seconds with at least one request in flight
         self._crcs: dict[int, int] = {}  # file offset of each request -> CRC32 of what was written there
+        self._view: weakref.ref | None = None  # the read-only map a save reads from (see mapped)
         self._active, self._since = 0, 0.0
         self._lock = threading.Lock()
         where = f"offload_optimizer.nvme_path={nvme_path!r}"
@@ -293,18 +294,24 @@ class SwapFile:
         by zpp), each request's CRC32 checked first: their pages are the page cache's, which
         the kernel can drop and read again, not a copy in the process's memory. A checkpoint
         writes a unit's state from them with no buffer (see [Note: NVMe swap])."""
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            mm = mmap.mmap(fd, region.nbytes, access=mmap.ACCESS_COPY, offset=region.offset)
-        finally:
-            os.close(fd)
+        mm = self._view() if self._view is not None else None
+        if mm is None or len(mm) < region.offset + region.nbytes:
+            # one map of the whole file while any tensor of it lives (a save), not one per
+            # region: Python's mmap keeps a descriptor open per map
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                mm = mmap.mmap(fd, self.end, access=mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
+            self._view = weakref.ref(mm)
         with memoryview(mm) as mem:
             for i in range(0, region.nbytes, self.aio.block_size):
-                with mem[i:i + self.aio.block_size] as part:
-                    self._check_crc(part, region.offset + i)
+                at = region.offset + i
+                with mem[at:at + min(self.aio.block_size, region.nbytes - i)] as part:
+                    self._check_crc(part, at)
         self.read_bytes += region.nbytes
-        return {e.key: torch.frombuffer(mm, dtype=e.dtype, count=e.numel, offset=e.start).view(e.shape)
-                for e in region.entries}
+        return {e.key: torch.frombuffer(mm, dtype=e.dtype, count=e.numel, offset=region.offset + e.start)
+                .view(e.shape) for e in region.entries}
 
     def _pread(self, mem: memoryview, offset: int) -> None:
         self._io(lambda fd, m, off: os.preadv(fd, [m], off), mem, offset)
