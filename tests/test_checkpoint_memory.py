@@ -102,3 +102,21 @@ def test_a_save_copies_no_model_state_and_a_load_holds_one_unit(tmp_path, offloa
             # each unit's state goes to the file before the next unit's is built
             assert r["held"] == [1] * r["units"] and r["after"] == []
         assert r["fds"][0] <= 1, r["fds"]  # one map of the swap file for the whole save, not one per unit
+
+
+def test_a_saved_parameter_is_cut_from_the_shards_it_spans():
+    """load.SavedParameter against the concatenation it replaces: a parameter inside one
+    rank's shard, one across two, one of no elements, and a per-tensor scalar."""
+    from zpp.zero.checkpoint.load import SavedParameter
+
+    full = {"values": torch.arange(10.0), "exp_avg": torch.arange(10.0) * 2}
+    entries = [{"start": a, "stop": b, "values": full["values"][a:b],
+                "optim": {"exp_avg": full["exp_avg"][a:b], "step": torch.tensor(3.0)}} for a, b in ((0, 6), (6, 10))]
+    for off, n in ((0, 4), (4, 5), (9, 0), (9, 1)):
+        p = SavedParameter(entries, off, n, ("values", "exp_avg"), {"step": torch.tensor(3.0)})
+        assert list(p) == ["values", "exp_avg", "step"] and p.per_element("exp_avg") and not p.per_element("step")
+        for k in ("values", "exp_avg"):
+            assert torch.equal(p[k], full[k][off:off + n]), (off, n, k)
+        assert p["step"].item() == 3.0 and p.numel == n
+        with pytest.raises(KeyError):
+            p["exp_avg_sq"]

@@ -317,12 +317,16 @@ class SavedParameter(Mapping):
             return self._scalars[key]
         if key not in self._sliced:
             raise KeyError(key)
+        def of(e: dict) -> torch.Tensor:
+            return e["values"] if key == "values" else e["optim"][key]
+
         lo, hi, parts = self._off, self._off + self.numel, []
         for e in self._entries:  # each covers [start, stop) of the unit, in order, contiguous
             a, b = max(lo, e["start"]), min(hi, e["stop"])
             if a < b:
-                t = e["values"] if key == "values" else e["optim"][key]
-                parts.append(t[a - e["start"]:b - e["start"]])
+                parts.append(of(e)[a - e["start"]:b - e["start"]])
+        if not parts:  # a parameter of no elements
+            return of(self._entries[0])[:0]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def __iter__(self):
