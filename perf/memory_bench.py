@@ -45,6 +45,12 @@ import runinfo  # noqa: E402
 import trainlib  # noqa: E402
 
 
+def _reset_hwm() -> None:
+    """Reset VmHWM to the current resident set (/proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
@@ -59,8 +65,7 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave RSS
     data = CharCorpus(max_bytes=2_000_000)
     t.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_hwm()
     base = _status("VmRSS")
     torch.manual_seed(0)
     with zz.Init(transport=t):
@@ -82,8 +87,7 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
         if last:  # each phase's own peak in the last step (VmHWM reset before it)
             peak_so_far = _status("VmHWM")
             for name, run in (("forward", lambda: engine(x, y)), ("backward", None), ("step", engine.step)):
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
+                _reset_hwm()
                 if name == "forward":
                     loss = run()
                 elif name == "backward":
@@ -125,8 +129,7 @@ def _checkpoint_phases(engine, args, base: int) -> dict:
         for name, run in (("save", lambda: engine.save_checkpoint(root, tag="bench")),
                           ("load", lambda: engine.load_checkpoint(root, tag="bench"))):
             engine.job_world.barrier()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
+            _reset_hwm()
             anon0, peak, done = _status("RssAnon"), [0], threading.Event()
 
             def sample():
@@ -159,8 +162,7 @@ def calibrate(args, shard_numel: int) -> dict:
     psi = sum(p.numel() for p in model.parameters())
     x, y = CharCorpus(max_bytes=200_000).batch(args.batch, args.block, torch.Generator().manual_seed(0))
     model(x, y).backward()  # the first backward allocates the gradients
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_hwm()
     before = _status("VmRSS")
     model(x, y).backward()  # gradients exist: the rise is the activations (and autograd's own)
     activations = _status("VmHWM") - before
@@ -169,8 +171,7 @@ def calibrate(args, shard_numel: int) -> dict:
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-4)
     opt.step()  # the moments exist
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    _reset_hwm()
     before = _status("VmRSS")
     opt.step()
     per_elem = (_status("VmHWM") - before) / (4 * shard_numel)

@@ -209,7 +209,8 @@ def _rebuilt(t, name, times):
     for _ in range(times):
         engine, _, _, _ = zz.initialize(model=_model(), config=_config(zero, top, True), transport=t)
         train_steps(engine, _batches("gpt", t.rank, 2))
-        made = [w for w in (engine._reduce_world, getattr(engine.outer, "inter", None)) if w is not None]
+        made = [w for w in (engine.comms.reducer.world if engine.comms.reducer else None,
+                            getattr(engine.outer, "inter", None)) if w is not None]
         assert made  # a duplicate of the world was made (the reductions', or the outer sync's)
         engine.close()
         if t.name == "mpi":  # each duplicate's communicator (and its topology's) is freed

@@ -70,7 +70,7 @@ from zpp.comm.counters import WireCounters
 from zpp.comm.faults import FaultChannel
 from zpp.comm.ring import ring_order, ring_reduce_scatter
 from zpp.comm.timeout import resolve_timeout
-from zpp.comm.topology import agree_on_layout, cached_topology
+from zpp.comm.topology import agree_on_layout
 from zpp.comm.transport import Transport, Work
 
 CUDA_AWARE_ENV = "ZPP_MPI_CUDA_AWARE"
@@ -324,9 +324,8 @@ class MpiTransport(Transport):
 
     def free(self) -> None:
         MPI = _mpi()
-        topo = cached_topology(self)
         comms = {}
-        for t in (self, *((topo.intra, topo.inter) if topo is not None else ())):
+        for t in self._with_topology():
             if isinstance(t, MpiTransport) and t.comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
                 comms[id(t.comm)] = t
         for t in comms.values():

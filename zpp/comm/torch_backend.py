@@ -99,7 +99,7 @@ from zpp.comm.launch import detect
 from zpp.comm.rendezvous import export_env, init_torch_world
 from zpp.comm.ring import ring_order, ring_reduce_scatter
 from zpp.comm.timeout import resolve_timeout
-from zpp.comm.topology import agree_on_layout, cached_topology
+from zpp.comm.topology import agree_on_layout
 from zpp.comm.transport import Transport, Work
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -511,12 +511,9 @@ class TorchTransport(Transport):
 
     def free(self) -> None:
         groups: dict[int, dist.ProcessGroup] = {}
-        topo = cached_topology(self)
-        for t in (self, *((topo.intra, topo.inter) if topo is not None else ())):
+        for t in self._with_topology():
             if isinstance(t, TorchTransport):
-                for g in (t.group, t._reverse.group):
-                    if g is not None and g is not dist.GroupMember.WORLD and g is not _default_group():
-                        groups[id(g)] = g
+                groups.update((id(g), g) for g in t.process_groups() if g is not dist.GroupMember.WORLD)
                 t.release()
         if dist.is_initialized():
             for g in groups.values():  # a sub-group that shares a group with its parent: once
@@ -528,10 +525,6 @@ class TorchTransport(Transport):
         self.group = None
         self._reverse.group = None
         self._inflight.clear()
-
-
-def _default_group():
-    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
 def _wait_all(works: list) -> None:

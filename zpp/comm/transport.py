@@ -201,6 +201,14 @@ class Transport(abc.ABC):
         every engine built and closed keeps a process group (sockets, threads) until exit.
         A no-op where there is nothing to release."""
 
+    def _with_topology(self) -> tuple[Transport, ...]:
+        """This transport and the sub-transports of its cached topology (what :meth:`free`
+        releases)."""
+        from zpp.comm.topology import cached_topology
+
+        topo = cached_topology(self)
+        return (self,) if topo is None else (self, topo.intra, topo.inter)
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``world_size * inp.numel()`` elements) receives every rank's ``inp`` in rank order."""
         self._begin("all_gather")

@@ -210,10 +210,9 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         if local and config.zero.overlap_comm:
             self.overlap_reason = "the 1-bit optimizers reduce in their step"
         reducer = None
-        self._reduce_world = duplicate  # freed at close (see Transport.free)
         if duplicate is not None:
             reduce = build_reduce(build_reduce_comms(duplicate, config, policy), policy)
-            reducer = ReductionThread(reduce, max_numel=config.zero.reduce_bucket_size, clock=waits)
+            reducer = ReductionThread(reduce, world=duplicate, max_numel=config.zero.reduce_bucket_size, clock=waits)
         else:
             reduce = build_reduce(comms, policy)
             if config.zero.overlap_comm and world.rank == 0:
@@ -500,9 +499,6 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         comms = getattr(self, "comms", None)
         if comms is not None and comms.reducer is not None:
             comms.reducer.close()
-        duplicate, self._reduce_world = getattr(self, "_reduce_world", None), None
-        if duplicate is not None and duplicate is not self.world:
-            duplicate.free()
         if self.policy.shard_parameters and self.hooks.handles:
             self._prefetch.end_pass()
             for u in self.units:

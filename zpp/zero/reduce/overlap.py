@@ -126,17 +126,19 @@ class ReductionThread:
 
     Args:
         reduce: the gradient reduction, built over ``comms`` (the duplicate).
+        world: that duplicate of the world; the thread owns it and frees it at :meth:`close`.
         max_inflight: reductions started and not done, at most (>= 1).
         max_numel: gradient elements started and not done, at most (one reduction larger than
             this still runs, alone); the engine sets it once its units are planned.
         clock: where the time the training thread waits is booked.
     """
 
-    def __init__(self, reduce: GradReduce, *, max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    def __init__(self, reduce: GradReduce, *, world: Transport, max_inflight: int = DEFAULT_MAX_INFLIGHT,
                  max_numel: int, clock: LinkWaits) -> None:
         if max_inflight < 1:
             raise ValueError(f"ReductionThread: max_inflight={max_inflight} must be >= 1")
         self.reduce = reduce
+        self.world: Transport | None = world
         self.max_inflight = max_inflight
         self.max_numel = max_numel
         self.clock = clock
@@ -180,9 +182,14 @@ class ReductionThread:
             self._inflight.popleft()
 
     def close(self) -> None:
-        """Let the running reductions finish and stop the worker."""
+        """Let the running reductions finish, stop the worker and free the world it ran over
+        (:meth:`~zpp.comm.transport.Transport.free`: without it every engine built and closed
+        would keep that communicator until exit)."""
         self._inflight.clear()
         self._pool.shutdown(wait=True)
+        world, self.world = self.world, None
+        if world is not None:
+            world.free()
 
     def __repr__(self) -> str:
         return (f"ReductionThread({self.reduce!r}, max_inflight={self.max_inflight}, "
