@@ -279,3 +279,36 @@ def test_stages_match_ddp(world, rpn):
             assert want <= reported <= want * 1.03 + 4096, (rank, stage, reported, want)
             assert reported <= resident <= reported + 64, (rank, stage, resident, reported)
     print({k: v for k, v in results[0].items()})
+
+
+def _saved_weight_bytes(t, zeropp):
+    """What autograd keeps from a stage-3 forward: the bytes of every distinct storage the
+    forward saved for the backward, against the model's fp32 weights."""
+    torch.manual_seed(1234)
+    model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=2, block_size=16))
+    z = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if zeropp:
+        z.update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    engine, *_ = zz.initialize(model=model, config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                                    "zero_optimization": z}, transport=t)
+    x, y = _batches("gpt", t.rank, 1, batch=1)[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        loss = engine(x, y)
+    storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in saved}
+    weights = sum(u.layout.numel for u in engine.units) * 4
+    sharded = all(not u.gathered for u in engine.units if u.shards_params)
+    engine.backward(loss)  # the backward still works on what was saved (the gathers refill it)
+    engine.step()
+    engine.close()
+    return sum(storages.values()), weights, sharded
+
+
+@pytest.mark.parametrize("zeropp", [False, True])
+def test_a_released_unit_frees_its_weights_though_autograd_saved_views_of_them(zeropp):
+    """[Note: one full storage per unit]: a linear layer's forward saves a view of its weight
+    for the backward; before, every released unit's gathered buffer stayed in memory through
+    it until the backward (the whole model, 4 Psi, at the end of the forward)."""
+    for saved, weights, sharded in run_world(_saved_weight_bytes, 2, args=(zeropp,), timeout=120):
+        assert sharded
+        assert saved < weights / 4, (saved, weights)  # activations of one 16-token sequence only

@@ -16,6 +16,19 @@ shards (to ``SHARD_ALIGN * W`` elements) differs. The gradients stay full and lo
 between micro-steps (``.grad``), so accumulation reduces once per optimizer step; stage 2
 reduce-scatters every micro-step and keeps only the shard.
 
+[Note: one full storage per unit]
+With sharded parameters every gather of a unit fills the same full buffer, whose storage is
+grown back for the gather and resized to zero bytes at the release (FSDP frees its unsharded
+flat parameter the same way). Dropping the reference would not free it: autograd keeps what
+the forward saved for the backward, and for a linear layer that is a view of the weight
+(``weight.t()``), so every unit's gathered weights would stay in memory from its forward to
+its backward: ``4 Psi`` (the whole model, not ``4 Psi / W``) at the end of the forward. With
+one storage the saved views see the backward's gather of the same values (every phase's
+gather of unchanged shards gives the same values: exact, or quantized from the same shard, or
+hpZ's copy of the forward's result). Reading a released parameter's old view reads a storage
+of no memory: zpp's parameters hold an empty tensor while released (see [Note: parameter
+access] in :mod:`zpp.zero.access`).
+
 [Note: started gathers]
 :meth:`Unit.start_gather` starts the phase's gather (asynchronous transport ops) into a new
 full buffer and leaves the unit GATHERING; :meth:`Unit.gather` then waits for it, lets the
@@ -129,6 +142,8 @@ class Unit:
         self.pinned = 0
         #: the gather in flight while GATHERING
         self.inflight: Started | None = None
+        #: with sharded parameters, the full buffer every gather fills (its storage freed at release)
+        self._full: torch.Tensor | None = None
         self._materialize()
 
     # ------------------------------------------------------------------ storage
@@ -229,7 +244,7 @@ class Unit:
         if f.state is not ShardState.SHARDED:
             raise RuntimeError(f"Unit.start_gather: unit {self.index} is {f.state.name}, not SHARDED")
         strategy = self.comms.gathers[phase]
-        full = torch.empty(self.layout.padded_numel, dtype=f.dtype, device=f.device)
+        full = self._full_storage()
         work = strategy.start(f, full)
         f.full = full
         f.state = ShardState.GATHERING
@@ -253,6 +268,7 @@ class Unit:
         with self.comms.waits.waiting(f"{started.phase.value}_gather", f"unit {self.index} (dropped)"):
             started.work.wait()
         self.flat.full = None
+        self._free_full()
         self.flat.state = ShardState.SHARDED
         param_attrs.set_status(self.params, param_attrs.ZeroParamStatus.NOT_AVAILABLE)
 
@@ -263,7 +279,24 @@ class Unit:
 
     def _detach(self) -> None:
         self.flat.detach(self.params)
+        self._free_full()
         access.mark_sharded(self.params)  # reads now go through [Note: parameter access]
+
+    def _full_storage(self) -> torch.Tensor:
+        """The full buffer a gather fills: the same tensor and storage at every gather, its
+        memory allocated again (see [Note: one full storage per unit])."""
+        f = self.flat
+        full = self._full
+        if full is None or full.dtype != f.dtype or full.device != f.device:
+            full = self._full = torch.empty(self.layout.padded_numel, dtype=f.dtype, device=f.device)
+        elif full.untyped_storage().nbytes() == 0:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+        return full
+
+    def _free_full(self) -> None:
+        """Free the full buffer's memory, whoever still views it (see [Note: one full storage per unit])."""
+        if self._full is not None and self.shards_params:
+            self._full.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self) -> None:
