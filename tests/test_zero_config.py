@@ -39,8 +39,8 @@ def test_translation(tmp_path):
 
 
 @pytest.mark.parametrize("ds,exc,words", [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, NotImplementedError,
-     ["offload_param.device='nvme'"]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, ValueError,
+     ["device='nvme' needs nvme_path"]),
     ({"zero_optimization": {"overlap_comm": "yes"}}, ValueError, ["overlap_comm='yes'"]),
     ({"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 1}}, NotImplementedError, ["OneBitAdam", "stage 1"]),
     ({"bogus": 1, "also_bogus": 2}, ValueError, ["also_bogus", "bogus"]),
@@ -301,7 +301,6 @@ ACCEPTED_SAMPLES = {
         ("min_train_micro_batch_size_per_gpu", 1), ("max_train_micro_batch_size_per_gpu", 8),
         ("model_info", {"num_params": 1000}), ("model_info_path", "info.json"), ("metric_path", "metrics.json"))},
     "bf16.immediate_grad_update": True, "bf16.check_grad_overflow": True,
-    "zero_optimization.offload_param.nvme_path": "/nvme", "zero_optimization.offload_param.buffer_count": 5,
     "zero_optimization.offload_param.buffer_size": 1e8, "zero_optimization.offload_param.max_in_cpu": 1e9,
     "zero_optimization.offload_optimizer.pipeline_read": False,
     "zero_optimization.offload_optimizer.pipeline_write": False,
@@ -422,6 +421,7 @@ def test_implemented_keys_change_the_config():
         "zero_optimization.offload_optimizer.device": "cpu", "zero_optimization.offload_optimizer.pin_memory": True,
         "zero_optimization.offload_param.device": "cpu", "zero_optimization.offload_param.pin_memory": True,
         "zero_optimization.offload_optimizer.nvme_path": "/nvme", "zero_optimization.offload_optimizer.buffer_count": 3,
+        "zero_optimization.offload_param.nvme_path": "/nvme", "zero_optimization.offload_param.buffer_count": 5,
         "zero_optimization.sub_group_size": 1000,
         **{f"aio.{k}": v for k, v in (("block_size", 8192), ("queue_depth", 4), ("thread_count", 2),
                                       ("single_submit", True), ("overlap_events", False))},

@@ -444,8 +444,12 @@ def test_config_keys():
     assert (c.aio.block_size, c.aio.queue_depth, c.aio.workers) == (262144, 32, 32)
     with pytest.raises(ValueError, match="nvme_path"):
         from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
-    with pytest.raises(NotImplementedError, match="offload_param.device='nvme'"):
-        from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+    c = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/p", "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 10**9}}})
+    assert (c.zero.offload_param.device, c.zero.offload_param.nvme_path, c.zero.offload_param.buffer_count) == \
+        ("nvme", "/p", 5)
+    with pytest.raises(ValueError, match="nvme_path"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     with pytest.raises(ValueError, match="block_size"):
         from_deepspeed({"aio": {"block_size": 5000}})
     with pytest.raises(ValueError, match="buffer_count"):

@@ -154,9 +154,6 @@ class ZeroConfig:
                 on.append(f"offload_param.device={self.offload_param.device!r}")
             if on:
                 raise ValueError(f"ZeroConfig: {', '.join(on)} need stage=3, got stage={self.stage}")
-        if self.offload_param.device == "nvme":
-            raise NotImplementedError("ZeroConfig: offload_param.device='nvme' (parameters on NVMe) is not implemented "
-                                      "yet; offload_optimizer.device='nvme' is, and offload_param.device='cpu'")
         if self.stage == 0 and self.offload_optimizer.device != "none":
             raise ValueError(f"ZeroConfig: offload_optimizer.device={self.offload_optimizer.device!r} needs "
                              "stage >= 1, got stage=0")
@@ -422,6 +419,12 @@ class TrainConfig:
                 "implemented: the hierarchical mode's inner optimizer runs inside a node, where the link is "
                 "fast and 1-bit compression buys nothing; use Adam/AdamW and set zpp.outer.compression for "
                 "the slow link")
+        if self.zero.offload_param.device == "nvme" and self.zpp.outer is not None:
+            raise NotImplementedError(
+                "TrainConfig: zero_optimization.offload_param.device='nvme' with zpp.outer is not implemented: "
+                "the outer sync reads every unit's weights at each period, which the parameter tier keeps on "
+                "disk; use offload_optimizer.device='nvme' (the optimizer state, 8 of the 16 bytes per "
+                "parameter) with the hierarchical mode")
 
     def with_world(self, world_size: int) -> TrainConfig:
         """The config with the batch sizes resolved for ``world_size`` as DeepSpeed resolves

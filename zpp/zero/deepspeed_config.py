@@ -234,17 +234,12 @@ def _offload(zero: Mapping[str, Any], dev: str, stage: int, notes: list[str]) ->
     if zero.get("cpu_offload_use_pin_memory") is not None and "pin_memory" not in sec:
         sec["pin_memory"] = zero["cpu_offload_use_pin_memory"]
     device = sec.get("device", "none")
-    if device == "nvme" and dev == "offload_param" and stage == 3:
-        raise NotImplementedError(f"{WHERE}: zero_optimization.offload_param.device='nvme' (parameters on NVMe) is "
-                                  "not implemented yet; offload_optimizer.device='nvme' is; use \"cpu\" for the "
-                                  "parameters")
     if dev == "offload_param" and device != "none" and stage < 3:
         notes.append(f"{WHERE}: zero_optimization.offload_param.device={device!r} ignored at stage {stage} (it "
                      "needs stage 3), as DeepSpeed ignores it")
         device = "none"
     kw = {"device": device, "pin_memory": sec.get("pin_memory", False)}
-    if dev == "offload_optimizer":
-        kw.update({k: sec[k] for k in ("nvme_path", "buffer_count") if sec.get(k) is not None})
+    kw.update({k: sec[k] for k in ("nvme_path", "buffer_count") if sec.get(k) is not None})
     return OffloadConfig(**kw)
 
 

@@ -180,7 +180,8 @@ def _refuse_flag(path, note, default=False, **kw):
     return _refuse(path, note, _bool, _is(default), "false" if default is False else "true", **kw)
 
 
-_NVME_PARAMS = "used by offload_param.device nvme only, not implemented yet"
+_NVME_PARAMS = ("zpp reads each unit's shard ahead of use through buffer_count buffers sized to the unit "
+                "(DeepSpeed's fixed buffer_size and its cache of max_in_cpu parameters do not apply)")
 ZERO = _ZERO = "zero_optimization"
 OFFLOAD_SECTIONS = _OFF = ("offload_optimizer", "offload_param")
 
@@ -240,17 +241,15 @@ _KEY_LIST: list[DsKey] = [
         _impl(f"{_ZERO}.{dev}", f"ZeroConfig.{dev} (OffloadConfig)" + (
               "; ignored below stage 3, as DeepSpeed does" if dev == "offload_param" else "; needs stage >= 1"),
               _dict, nullable=True, section=True),
-        _impl(f"{_ZERO}.{dev}.device", f'ZeroConfig.{dev}.device: "none", "cpu" or "nvme"' + (
-              ' ("nvme" not implemented yet for parameters)' if dev == "offload_param" else ""),
+        _impl(f"{_ZERO}.{dev}.device", f'ZeroConfig.{dev}.device: "none", "cpu" or "nvme"',
               _choice("none", "cpu", "nvme")),
         _impl(f"{_ZERO}.{dev}.pin_memory", f"ZeroConfig.{dev}.pin_memory", _bool),
     )],
-    _impl(f"{_ZERO}.offload_optimizer.nvme_path", "OffloadConfig.nvme_path: the swap files' folder", _str,
-          nullable=True),
-    _impl(f"{_ZERO}.offload_optimizer.buffer_count", "OffloadConfig.buffer_count: host buffers the swapped "
-          "state streams through (at least 2)", _int(lo=2)),
-    _accept(f"{_ZERO}.offload_param.nvme_path", _NVME_PARAMS, _anything, nullable=True),
-    _accept(f"{_ZERO}.offload_param.buffer_count", _NVME_PARAMS, _int(lo=0)),
+    *[x for dev in _OFF for x in (
+        _impl(f"{_ZERO}.{dev}.nvme_path", "OffloadConfig.nvme_path: the swap files' folder", _str, nullable=True),
+        _impl(f"{_ZERO}.{dev}.buffer_count", "OffloadConfig.buffer_count: host buffers the swapped "
+              "state streams through (at least 2)", _int(lo=2)),
+    )],
     _accept(f"{_ZERO}.offload_param.buffer_size", _NVME_PARAMS, _int(lo=0)),
     _accept(f"{_ZERO}.offload_param.max_in_cpu", _NVME_PARAMS, _int(lo=0)),
     *[_accept(f"{_ZERO}.offload_optimizer.{k}", "zpp always pipelines the swap's reads and writes", _bool)

@@ -77,9 +77,11 @@ from zpp.zero.hooks import EngineHooks
 from zpp.zero.memory import model_state_bytes
 from zpp.zero.modes import ModeAttributes, build_modes, data_parallel_world
 from zpp.zero.monitor import MonitorMaster
+from zpp.zero.nvme import SwapFile, open_agreed
 from zpp.zero.offload import Offload
 from zpp.zero.optimizer import build_lr_scheduler, build_optimizer, check_optimizer_args
 from zpp.zero.param_groups import ParamGroups
+from zpp.zero.param_swap import ParamSwap
 from zpp.zero.plan_bits import apply_plan
 from zpp.zero.planning import plan_units
 from zpp.zero.policy import ShardingPolicy
@@ -219,7 +221,19 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
                 log.warning("zpp: overlap_comm=true, but the gradient reductions run in line: %s",
                             self.overlap_reason)
         return UnitComms(world=world, policy=policy, gathers=build_gathers(comms, policy), reduce=reduce,
-                         offload=self.offload, reducer=reducer, waits=waits)
+                         offload=self.offload, reducer=reducer, waits=waits, params_swap=self._params_swap())
+
+    def _params_swap(self) -> ParamSwap | None:
+        """The parameter tier on NVMe (``offload_param.device: "nvme"``, stage 3), its swap
+        file opened on every rank or the failure raised on every rank; see [Note: parameters
+        on NVMe] in :mod:`zpp.zero.param_swap`."""
+        config = self.train_config
+        off = config.zero.offload_param
+        if off.device != "nvme" or not self.policy.shard_parameters:
+            return None
+        swap = open_agreed(lambda: SwapFile(off.nvme_path, self.job_world.rank, config.aio, kind="param"),
+                           self.job_world)
+        return ParamSwap(swap, off.buffer_count)
 
     def _close_earlier_engines(self, module: torch.nn.Module) -> None:
         """See [Note: a module initialized again]."""
@@ -504,3 +518,5 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
             for u in self.units:
                 u.gather(Phase.EXACT)
         self.hooks.remove()
+        if comms is not None and comms.params_swap is not None:
+            comms.params_swap.close()

@@ -121,6 +121,12 @@ def _keep_changes(u: Unit, rank: int) -> None:
     if world.world_size > 1:
         world.broadcast(f.full, rank)
     full = f.full[:lay.numel]
+    with u.resident(modified=True):
+        _keep(u, full)
+
+
+def _keep(u: Unit, full: torch.Tensor) -> None:
+    f, lay = u.flat, u.layout
     if f.master is not None:
         own = lay.owned(f.rank)
         padded = torch.zeros(lay.padded_numel, dtype=torch.float32, device=full.device)

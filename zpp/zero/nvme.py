@@ -199,8 +199,12 @@ class Transfer:
 class SwapFile:
     """One rank's swap file under ``nvme_path`` (see [Note: NVMe swap])."""
 
-    def __init__(self, nvme_path: str, rank: int, aio: AioConfig, *, reserve: int = 0) -> None:
-        self.path = Path(nvme_path) / SWAP_DIR / f"optimizer_rank{rank:05d}.swp"
+    def __init__(self, nvme_path: str, rank: int, aio: AioConfig, *, reserve: int = 0,
+                 kind: str = "optimizer") -> None:
+        #: "optimizer" (offload_optimizer) or "param" (offload_param): the file's name and the
+        #: config section its errors name
+        self.kind = kind
+        self.path = Path(nvme_path) / SWAP_DIR / f"{kind}_rank{rank:05d}.swp"
         self.aio = aio
         self.direct = True
         self.fallbacks = 0
@@ -211,7 +215,7 @@ class SwapFile:
         self._view: weakref.ref | None = None  # the read-only map a save reads from (see mapped)
         self._active, self._since = 0, 0.0
         self._lock = threading.Lock()
-        where = f"offload_optimizer.nvme_path={nvme_path!r}"
+        where = f"offload_{kind}.nvme_path={nvme_path!r}"
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = self._open()
@@ -259,7 +263,7 @@ class SwapFile:
                 os.posix_fallocate(self.fd, 0, padded(nbytes))
             except OSError as e:
                 free = os.statvfs(self.path.parent)
-                raise ValueError(f"offload_optimizer.nvme_path={str(self.path.parent.parent)!r}: cannot reserve "
+                raise ValueError(f"offload_{self.kind}.nvme_path={str(self.path.parent.parent)!r}: cannot reserve "
                                  f"{padded(nbytes):,} bytes for the swap file {self.path} "
                                  f"({free.f_bavail * free.f_frsize:,} bytes free): {e.strerror or e}") from e
 
@@ -323,8 +327,9 @@ class SwapFile:
             raise OSError(errno.EIO, f"NVMe swap {self.path} is corrupt: the {len(mem):,} bytes at offset {offset:,} "
                                      f"have CRC32 {got:#010x}, written as "
                                      f"{'never' if want is None else f'{want:#010x}'} (the disk, or another "
-                                     "process, changed the file); the optimizer state there is lost: load the "
-                                     "last checkpoint")
+                                     "process, changed the file); the "
+                                     f"{'optimizer state' if self.kind == 'optimizer' else 'parameter shard'} "
+                                     "there is lost: load the last checkpoint")
 
     def _io(self, call, mem: memoryview, offset: int) -> None:
         with self._lock:
@@ -385,3 +390,25 @@ def _remove(fds: list[int], path: Path) -> None:
         path.parent.rmdir()
     except OSError:
         pass  # other ranks' files are still there
+
+
+def open_agreed(make, world) -> SwapFile:
+    """``make()`` (a :class:`SwapFile`) on every rank of ``world``, or, if it fails on any rank
+    (no room, an unwritable path, a second job on the path), its error raised on every rank
+    before training starts (see [Note: agreement]); collective."""
+    from zpp.zero.checkpoint.agree import exchange, failure, raise_agreed
+
+    swap, err = None, None
+    try:
+        swap = make()
+        mine = {"ok": True}
+    except (ValueError, OSError) as e:
+        err, mine = e, failure(e)
+    try:
+        raise_agreed(exchange(world, mine, during="creating the NVMe swap files"), own=err)
+    except BaseException:
+        if swap is not None:
+            swap.close()
+        raise
+    return swap
+

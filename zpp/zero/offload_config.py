@@ -21,14 +21,15 @@ class OffloadConfig:
     device: Literal["none", "cpu", "nvme"] = "none"
     """"none": on the training device; "cpu": in host memory (on a CPU job they are there
     already); "nvme": in a swap file under :attr:`nvme_path`, read back through a few host
-    buffers when needed (``offload_optimizer`` only, so far) (Default: "none")."""
+    buffers when needed (Default: "none")."""
     pin_memory: bool = False
     """Page-locked host buffers, for overlapped copies on a CUDA job (Default: False)."""
     nvme_path: str | None = None
     """With device "nvme": the folder the swap files go in, on a fast local disk (required)."""
     buffer_count: int = 4
     """With device "nvme": host buffers the swapped state streams through, each the size of
-    one unit's state; at least 2 (one steps while the next is read) (Default: 4)."""
+    one unit's state (or parameter shard); at least 2 (one is used while the next is read)
+    (Default: 4)."""
 
     def __post_init__(self) -> None:
         w = "OffloadConfig"

@@ -79,11 +79,23 @@ def describe(p: torch.nn.Parameter, *, numel: int, shape: torch.Size, partition:
         p.ds_id = next(_IDS)
     p.ds_param_type = ZeroParamType.PARTITIONED
     p.ds_active_sub_modules = set()
-    p.partition_numel = _method(p, lambda q: q.ds_tensor.numel())
+    p.partition_numel = _method(p, lambda q, n=partition.numel(): n)
     p.padding_size = _method(p, lambda q: padding)
     p.ds_summary = _method(p, _summary)
     p.all_gather = _method(p, _all_gather)
     p.partition = _method(p, _partition)
+
+
+def set_on_disk(params, on_disk: bool) -> None:
+    """The unit's shard went to the NVMe tier (``on_disk``) or came back: meanwhile each
+    ``ds_tensor`` is an empty tensor, since the partition's storage is freed and reading it
+    would read freed memory (see [Note: parameters on NVMe] in :mod:`zpp.zero.param_swap`)."""
+    for p in params:
+        if on_disk and hasattr(p, "ds_tensor") and "_zpp_partition" not in p.__dict__:
+            p._zpp_partition = p.ds_tensor
+            p.ds_tensor = p.ds_tensor.new_empty(0)
+        elif not on_disk and "_zpp_partition" in p.__dict__:
+            p.ds_tensor = p.__dict__.pop("_zpp_partition")
 
 
 def _all_gather(p: torch.nn.Parameter, param_list=None, async_op: bool = False, hierarchy: int = 0) -> None:

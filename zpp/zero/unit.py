@@ -41,6 +41,7 @@ asked for is waited for and dropped, then the right one is run.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -53,6 +54,7 @@ from zpp.zero import init as zinit
 from zpp.zero.comm_api import GradReduce, Phase, WeightGather
 from zpp.zero.offload import Offload
 from zpp.zero.param_groups import FROZEN
+from zpp.zero.param_swap import ParamSwap
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.reduce.overlap import LinkWaits, ReductionThread, ThreadReduction
 from zpp.zero.shard import FlatLayout, FlatShard, ShardState
@@ -78,6 +80,9 @@ class UnitComms:
     overlapped reductions] in :mod:`zpp.zero.reduce.overlap`."""
     waits: LinkWaits = dataclasses.field(default_factory=LinkWaits)
     """Seconds the training thread waited on communication, per phase."""
+    params_swap: ParamSwap | None = None
+    """The sharded units' parameter shards on NVMe between uses (``offload_param.device:
+    "nvme"``); see [Note: parameters on NVMe] in :mod:`zpp.zero.param_swap`."""
 
     @property
     def degree(self) -> int:
@@ -174,6 +179,8 @@ class Unit:
                                               else f.shard.float(), requires_grad=True)
         if self.comms.policy.shard_parameters:
             self._describe(own)
+        if self.comms.params_swap is not None and self.shards_params:
+            self.comms.params_swap.adopt(self)
 
     def _describe(self, own: slice) -> None:
         """DeepSpeed's ZeRO-3 attributes on the parameters (see [Note: ZeRO-3 parameter
@@ -225,7 +232,20 @@ class Unit:
     # ------------------------------------------------------------------ gather (sharded parameters)
     def gather(self, phase: Phase) -> None:
         """Materialize the full buffer with the phase's gather. Idempotent. Completes a
-        started gather of the same phase (see [Note: started gathers])."""
+        started gather of the same phase (see [Note: one full storage per unit]
+With sharded parameters every gather of a unit fills the same full buffer, whose storage is
+grown back for the gather and resized to zero bytes at the release (FSDP frees its unsharded
+flat parameter the same way). Dropping the reference would not free it: autograd keeps what
+the forward saved for the backward, and for a linear layer that is a view of the weight
+(``weight.t()``), so every unit's gathered weights would stay in memory from its forward to
+its backward: ``4 Psi`` (the whole model, not ``4 Psi / W``) at the end of the forward. With
+one storage the saved views see the backward's gather of the same values (every phase's
+gather of unchanged shards gives the same values: exact, or quantized from the same shard, or
+hpZ's copy of the forward's result). Reading a released parameter's old view reads a storage
+of no memory: zpp's parameters hold an empty tensor while released (see [Note: parameter
+access] in :mod:`zpp.zero.access`).
+
+[Note: started gathers])."""
         f = self.flat
         if f.state is ShardState.GATHERED:
             return
@@ -244,6 +264,8 @@ class Unit:
         if f.state is not ShardState.SHARDED:
             raise RuntimeError(f"Unit.start_gather: unit {self.index} is {f.state.name}, not SHARDED")
         strategy = self.comms.gathers[phase]
+        if self.comms.params_swap is not None:
+            self.comms.params_swap.ensure(self)  # freed again once the gather is complete
         full = self._full_storage()
         work = strategy.start(f, full)
         f.full = full
@@ -257,6 +279,8 @@ class Unit:
         with self.comms.waits.waiting(f"{started.phase.value}_gather", f"unit {self.index}"):
             started.work.wait()
         started.gather.finish(self.flat, self.flat.full)
+        if self.comms.params_swap is not None:
+            self.comms.params_swap.evict(self)
         self.flat.attach(self.params)
         access.mark_gathered(self.params)
 
@@ -267,6 +291,8 @@ class Unit:
         started, self.inflight = self.inflight, None
         with self.comms.waits.waiting(f"{started.phase.value}_gather", f"unit {self.index} (dropped)"):
             started.work.wait()
+        if self.comms.params_swap is not None:
+            self.comms.params_swap.evict(self)
         self.flat.full = None
         self._free_full()
         self.flat.state = ShardState.SHARDED
@@ -380,16 +406,32 @@ class Unit:
         f.master.grad = None
         f.grad = None
         self.release()  # a full buffer gathered before the step would hold the old weights
-        if not f.master_aliases_shard:
+        if not f.master_aliases_shard and not self.on_disk:  # (on disk: cast before it was written)
             f.shard.copy_(f.master.detach())
         if comms.policy.shard_optimizer_state and not self.shards_params and comms.world.world_size > 1:
             with comms.waits.waiting("publish", f"unit {self.index}"):
                 comms.gathers[Phase.EXACT].publish(f).wait()
         comms.weights_changed(f)
 
+    @property
+    def on_disk(self) -> bool:
+        """The shard is in the NVMe swap file only (see [Note: parameters on NVMe])."""
+        return self.comms.params_swap is not None and self.comms.params_swap.on_disk(self)
+
+    def resident(self, *, modified: bool = False):
+        """A context in which the shard is in memory (``modified``: written back to the NVMe
+        swap file after); a no-op without parameters on NVMe."""
+        if self.comms.params_swap is None or not self.comms.params_swap.manages(self):
+            return contextlib.nullcontext()
+        return self.comms.params_swap.resident(self, modified=modified)
+
     def load_flat(self, values: torch.Tensor, master: torch.Tensor | None = None) -> None:
         """Set the unit from a full flat fp32 vector of ``layout.numel`` elements (checkpoint
         loading): the owned range of the master weights and the parameters."""
+        with self.resident(modified=True):
+            self._load_flat(values, master)
+
+    def _load_flat(self, values: torch.Tensor, master: torch.Tensor | None) -> None:
         f, lay = self.flat, self.layout
         padded = torch.zeros(lay.padded_numel, dtype=torch.float32, device=f.device)
         padded[:lay.numel] = values

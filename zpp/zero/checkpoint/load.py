@@ -369,7 +369,8 @@ def _unit_values(u, by_name: dict, with_optimizer: bool) -> tuple[torch.Tensor, 
         if f.full is not None and not u.comms.policy.shard_parameters:
             base.copy_(f.full.detach().float().cpu())
         own = lay.owned(f.rank)
-        base[own] = (f.master if f.master is not None else f.shard).detach().float().cpu()
+        with u.resident():
+            base[own] = (f.master if f.master is not None else f.shard).detach().float().cpu()
         for p, slot in zip(parts, lay.slots, strict=True):
             if p is not None:
                 base[slot.offset:slot.offset + slot.numel] = p["values"]

@@ -270,8 +270,9 @@ def _unit_entries(engine, exclude_frozen: bool) -> list[dict[str, Any]]:
         own = lay.owned(f.rank)
         entry = {"names": list(u.names), "numels": [s.numel for s in lay.slots], "padded": lay.padded_numel,
                  "start": own.start, "stop": own.stop, "trainable": u.trainable}
+        on_disk = u.comms.params_swap.values(u) if u.on_disk else None  # views of the file, no copy
         if u.trainable:
-            entry["values"] = _alone(f.master)
+            entry["values"] = on_disk if on_disk is not None else _alone(f.master)
             entry["optim"] = {k: (_alone(v) if isinstance(v, torch.Tensor) else v)
                               for k, v in opt.state.get(f.master, {}).items()}
             for m in engine.modes:  # state a mode keeps outside the optimizer (NVMe), under its own keys
@@ -279,7 +280,7 @@ def _unit_entries(engine, exclude_frozen: bool) -> list[dict[str, Any]]:
             for m in engine.modes:  # per-element mode state reshards like the optimizer's
                 entry["optim"].update({f"{m.name}.{k}": v for k, v in m.unit_state(u).items()})
         else:
-            entry["values"] = _alone(f.shard.detach().float())
+            entry["values"] = on_disk if on_disk is not None else _alone(f.shard.detach().float())
         units.append(entry)
     return units
 

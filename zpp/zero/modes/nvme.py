@@ -31,7 +31,8 @@ import torch
 
 from zpp.comm.transport import Transport
 from zpp.zero.modes.base import Mode
-from zpp.zero.nvme import Buffer, BufferPool, Region, SwapFile, Transfer, padded
+from zpp.zero.nvme import Buffer, BufferPool, Region, SwapFile, Transfer, open_agreed, padded
+from zpp.zero.param_swap import ParamSwap
 from zpp.zero.unit import Unit
 
 #: per-element state zpp reserves on disk at initialize, in fp32 tensors per parameter (Adam's two
@@ -44,38 +45,30 @@ class NvmeMode(Mode):
 
     name = "nvme"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[Unit], swap: SwapFile,
-                 buffer_count: int, world: Transport) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[Unit], swap: SwapFile | None,
+                 buffer_count: int, world: Transport, *, params: ParamSwap | None = None) -> None:
         self.optimizer = optimizer
         self.world = world  # the ranks a step's outcome is agreed over (they publish together)
         self.units = tuple(units)
         self._index = {id(u): k for k, u in enumerate(self.units)}  # unit -> its region's key
-        self.swap = swap
+        self.swap = swap  # the optimizer state's file; None: the state stays in memory (only params on disk)
+        self.params = params  # the parameter shards' tier (offload_param nvme), or None
         self.regions: dict[int, Region] = {}  # unit index -> its state on disk
         self.buffers = BufferPool(buffer_count)
 
     @classmethod
     def build(cls, engine) -> NvmeMode | None:
         off = engine.train_config.zero.offload_optimizer
-        if off.device != "nvme":
+        params = engine.comms.params_swap
+        if off.device != "nvme" and params is None:
             return None
-        from zpp.zero.checkpoint.agree import exchange, failure, raise_agreed
-
         units = [u for u in engine.units if u.trainable and u.flat.master is not None]
-        reserve = sum(RESERVED_STATES * padded(u.flat.master.numel() * 4) for u in units)
-        swap, err = None, None
-        try:
-            swap = SwapFile(off.nvme_path, engine.job_world.rank, engine.train_config.aio, reserve=reserve)
-            mine = {"ok": True}
-        except (ValueError, OSError) as e:
-            err, mine = e, failure(e)
-        try:  # a rank without room fails every rank of the job, before training (see [Note: agreement])
-            raise_agreed(exchange(engine.job_world, mine, during="creating the NVMe swap files"), own=err)
-        except BaseException:
-            if swap is not None:
-                swap.close()
-            raise
-        return cls(engine.optimizer, units, swap, off.buffer_count, engine.world)
+        swap = None
+        if off.device == "nvme":
+            reserve = sum(RESERVED_STATES * padded(u.flat.master.numel() * 4) for u in units)
+            swap = open_agreed(lambda: SwapFile(off.nvme_path, engine.job_world.rank, engine.train_config.aio,
+                                                reserve=reserve), engine.job_world)
+        return cls(engine.optimizer, units, swap, off.buffer_count, engine.world, params=params)
 
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer, trained: Sequence[Unit]) -> bool:
@@ -108,6 +101,8 @@ class NvmeMode(Mode):
                 optimizer.step()  # what is not swapped (empty shards) steps in memory, once
             read_ahead(ahead, wait=True)
             for i, u in enumerate(todo):
+                if self.params is not None:
+                    self.params.ensure(u)  # (and the next units' shards are read ahead)
                 buf = self.buffers.wait(reads.pop(i)) if i in reads else None
                 read_ahead(i + 1 + ahead, wait=False)
                 master, k = u.flat.master, index[id(u)]
@@ -118,9 +113,14 @@ class NvmeMode(Mode):
                 master.grad = grads[i]
                 optimizer.step()
                 master.grad = None
-                self._swap_out(k, master, buf)
+                if self.params is not None and self.params.manages(u):
+                    if not u.flat.master_aliases_shard:  # what publish does, before the shard leaves
+                        u.flat.shard.copy_(master.detach())
+                    self.params.evict(u, dirty=True)
+                if self.swap is not None:
+                    self._swap_out(k, master, buf)
                 read_ahead(i + 1 + ahead, wait=True)
-        except (OSError, ValueError) as e:  # the file: an I/O error, a CRC mismatch, no room to grow
+        except (OSError, ValueError) as e:  # a file: an I/O error, a CRC mismatch, no room to grow
             failure = e
         finally:
             for u, g in zip(todo, grads):
@@ -182,7 +182,7 @@ class NvmeMode(Mode):
         """The per-element optimizer state of ``unit``: read-only views of the file (checked;
         no copy in memory, see [Note: NVMe swap])."""
         region = self.regions.get(self._index.get(id(unit)))
-        if region is None:
+        if region is None or self.swap is None:
             return {}
         self.buffers.finish_writes()
         return self.swap.mapped(region)
@@ -192,11 +192,13 @@ class NvmeMode(Mode):
         state at a time (buffer_count buffers), not the whole optimizer's."""
         k = self._index.get(id(unit))
         master = unit.flat.master
-        if k is not None and master in self.optimizer.state:
+        if self.swap is not None and k is not None and master in self.optimizer.state:
             self._swap_out(k, master, None)
 
     def after_load(self) -> None:
         """A checkpoint set the optimizer's state: write what it put in memory to the file."""
+        if self.swap is None:
+            return
         self.buffers.finish_writes()
         for k, u in enumerate(self.units):
             master = u.flat.master
@@ -207,15 +209,33 @@ class NvmeMode(Mode):
         self.buffers.finish_writes()
 
     # ------------------------------------------------------------------ the rest
+    def after_optimizer_step(self, trained: Sequence[Unit]) -> None:
+        if self.params is not None:
+            self.params.end_step()
+
+    def after_skipped_step(self) -> None:
+        if self.params is not None:
+            self.params.end_step()
+
     def close(self) -> None:
         try:
             self.buffers.finish_writes()
         finally:
-            self.swap.close()
+            if self.swap is not None:
+                self.swap.close()  # (the parameters' file closes with the engine, after its last gathers)
 
     def state_bytes(self, nbytes) -> dict[str, int]:
-        return {"optimizer": self.buffers.nbytes}
+        out = {"optimizer": self.buffers.nbytes}
+        if self.params is not None:
+            out["params"] = self.params.state_bytes()
+        return out
 
     def stats(self) -> dict[str, object]:
-        """The swap file's counters and the seconds the step waited on it."""
-        return {**self.swap.stats(), "buffers": len(self.buffers.all), "wait_s": self.buffers.wait_s}
+        """The swap files' counters and the seconds the step waited on them (``params``: the
+        parameter tier's, with ``offload_param`` nvme)."""
+        out = {}
+        if self.swap is not None:
+            out = {**self.swap.stats(), "buffers": len(self.buffers.all), "wait_s": self.buffers.wait_s}
+        if self.params is not None:
+            out["params"] = self.params.stats_dict()
+        return out
