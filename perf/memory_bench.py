@@ -74,9 +74,12 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
            "zpp": {"check_metadata": False}}
-    if args.offload == "nvme":
+    if args.offload in ("nvme", "infinity"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path,
                                                          "buffer_count": args.buffer_count}
+    if args.offload == "infinity":
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path,
+                                                     "buffer_count": args.buffer_count}
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     psi = sum(u.layout.numel for u in engine.units)
     g = torch.Generator().manual_seed(t.rank)
@@ -181,8 +184,9 @@ def calibrate(args, shard_numel: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     trainlib.add_model_args(p, n_layer=16, n_embd=720, block=128, batch=1, steps=3, warmup=0)
-    p.add_argument("--offload", choices=("none", "nvme"), default="none",
-                   help="offload_optimizer.device (nvme: under --nvme-path)")
+    p.add_argument("--offload", choices=("none", "nvme", "infinity"), default="none",
+                   help="offload_optimizer.device nvme (under --nvme-path), and offload_param.device nvme "
+                        "too (infinity)")
     p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-memory-bench"))
     p.add_argument("--buffer-count", type=int, default=4)
     p.add_argument("--checkpoint", metavar="DIR", default=None,

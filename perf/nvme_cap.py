@@ -51,10 +51,11 @@ class Cgroup:
         events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
         return int(events.get("oom_kill", 0))
 
-    def run(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
         procs = self.path / "cgroup.procs"
         shell = f"echo $$ > {procs} && exec \"$@\""
-        return subprocess.run(["sh", "-c", shell, "sh", *cmd], capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(["sh", "-c", shell, "sh", *cmd], capture_output=True, text=True, timeout=timeout,
+                              env=env)
 
     def remove(self) -> None:
         for _ in range(50):
@@ -72,7 +73,10 @@ def one(variant: str, cap: int | None, args, extra: list[str]) -> dict:
                "--nvme-path", str(args.nvme_path), "--json", str(out), *extra]
         cg = Cgroup(f"zpp-cap-{os.getpid()}-{variant}-{'cap' if cap else 'free'}", cap)
         try:
-            proc = cg.run(cmd, timeout=args.timeout)
+            env = dict(os.environ)
+            if args.malloc_mmap_threshold:  # glibc: larger blocks are mapped, and unmapped when freed
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+            proc = cg.run(cmd, timeout=args.timeout, env=env)
             rec = {"variant": variant, "cap_bytes": cap, "rc": proc.returncode, "peak_bytes": cg.peak(),
                    "limit_hits": cg.failcnt()}
         finally:
@@ -91,11 +95,21 @@ def main(argv=None) -> None:
     p.add_argument("--nvme-path", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "zpp-nvme-cap")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
+    p.add_argument("--variants", default="zero3,zero3-infinity",
+                   help="train_bench variants, each run capped and free (Default: in memory, and with the "
+                        "parameters and the optimizer state on NVMe)")
+    p.add_argument("--free", choices=("all", "first"), default="all",
+                   help="run every variant without the cap too (all), or only the first (the reference)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=131072,
+                   help="glibc's MALLOC_MMAP_THRESHOLD_ for every run (0: glibc's default, which keeps freed "
+                        "blocks of up to 32 MiB in its arenas) (Default: 128 KiB)")
     args, extra = p.parse_known_args(argv)
     extra = ["--n-layer", "8", "--n-embd", "1024", "--n-head", "16", "--block", "128", "--batch", "2", "--steps",
-             "3", "--warmup", "1", "--ranks-per-node", "2", *extra]
+             "3", "--warmup", "1", "--ranks-per-node", "2", "--init", *extra]
     cap = args.cap_mib << 20
-    runs = [one(v, c, args, extra) for v in ("zero3", "zero3-nvme") for c in (cap, None)]
+    variants = args.variants.split(",")
+    runs = [one(v, c, args, extra) for i, v in enumerate(variants)
+            for c in ((cap, None) if args.free == "all" or i == 0 else (cap,))]
     psi = next((r["row"]["params"] for r in runs if "row" in r), None)
     print(f"# cap {args.cap_mib} MiB for the job (2 ranks); GPT params {psi}; 16 Psi = "
           f"{16 * psi / 2**20:.0f} MiB = {16 * psi / cap:.2f}x the cap" if psi else "# no run finished")
@@ -105,7 +119,9 @@ def main(argv=None) -> None:
               f"{r['peak_bytes'] / 2**20:7.0f} MiB  limit hits {r['limit_hits']:>6}"
               + (f"  step {r['row']['step_s']:.2f} s  loss {r['loss']:.4f}" if r["rc"] == 0 else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({**runinfo.provenance(), "cap_bytes": cap, "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({**runinfo.provenance(), "cap_bytes": cap, "runs": runs,
+                                               "malloc_mmap_threshold": args.malloc_mmap_threshold,
+                                               "bench_args": extra}, indent=1))
 
 
 if __name__ == "__main__":

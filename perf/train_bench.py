@@ -64,6 +64,9 @@ VARIANTS = {
     # the optimizer state on NVMe (zpp.zero.nvme) under --nvme-path; not in the defaults
     "zero2-nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 1_000_000},
     "zero3-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}},
+    # the parameter shards on NVMe (zpp.zero.param_swap), and both tiers (ZeRO-Infinity)
+    "zero3-nvme-param": {"stage": 3, "offload_param": {"device": "nvme"}},
+    "zero3-infinity": {"stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}},
     # DeepSpeed's ZeRO-Infinity optimizer tier (its async_io op: libaio-dev; stage 3 only there)
     "deepspeed3-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}},
 }
@@ -78,8 +81,9 @@ def _zero_section(name, t, nvme_path=None):
     z.pop("zpp", None)  # zpp's own keys: _build puts them in the "zpp" section
     if z.get("zero_hpz_partition_size") == -1:
         z["zero_hpz_partition_size"] = topology_of(t).ranks_per_node
-    if z.get("offload_optimizer", {}).get("device") == "nvme":
-        z["offload_optimizer"] = {**z["offload_optimizer"], "nvme_path": nvme_path}
+    for sec in ("offload_optimizer", "offload_param"):
+        if z.get(sec, {}).get("device") == "nvme":
+            z[sec] = {**z[sec], "nvme_path": nvme_path}
     return z
 
 
@@ -127,8 +131,14 @@ def _build(name, model, t, args):
 
 
 def _run_variant(t, name, args, data):
-    model = trainlib.make_model(args)
-    psi = sum(p.numel() for p in model.parameters())
+    if args.init and not name.startswith(("ddp", "fsdp", "deepspeed")):
+        import zpp.zero as zz
+
+        with zz.Init(transport=t):
+            model = trainlib.make_model(args)
+    else:
+        model = trainlib.make_model(args)
+    psi = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     net, backward, opt_step, engine = _build(name, model, t, args)
     nvme_at = {}  # the NVMe swap's counters when the timed steps start
 
@@ -145,9 +155,9 @@ def _run_variant(t, name, args, data):
         row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
         row["model_state_bytes"] = sum(engine.model_state_bytes().values())
         nvme = engine.mode("nvme")
-        if nvme is not None:  # the swap's traffic and waits per timed step
+        if nvme is not None:  # the swaps' traffic and waits per timed step (both tiers together)
             now = nvme.stats()
-            row["nvme"] = {**now, **{f"{k}_per_step": (now[k] - nvme_at[k]) / args.steps
+            row["nvme"] = {**now, **{f"{k}_per_step": (_swapped(now, k) - _swapped(nvme_at, k)) / args.steps
                                      for k in ("read_bytes", "written_bytes", "wait_s", "busy_s")}}
         # each unit's elements and whether it stays whole at stage 3 (for zpp/tune/cost.py)
         row["units"] = [[u.layout.numel, not u.shards_params] for u in engine.units]
@@ -163,6 +173,11 @@ def _run_variant(t, name, args, data):
         row["model_state_bytes"] = None
     row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row
+
+
+def _swapped(stats: dict, key: str) -> float:
+    """``key`` of the NVMe mode's stats summed over its two files (optimizer state, ``params``)."""
+    return stats.get(key, 0) + stats.get("params", {}).get(key, 0)
 
 
 def _trace_step(t, args, data, engine) -> dict:
@@ -249,7 +264,7 @@ def print_rows(rows):
             nv = r["nvme"]
             waits += (f" | nvme read {nv['read_bytes_per_step'] / 2**20:.0f} MiB, written "
                       f"{nv['written_bytes_per_step'] / 2**20:.0f} MiB, waited {nv['wait_s_per_step']:.2f} s"
-                      f"{'' if nv['direct'] else ' (buffered I/O)'}")
+                      f"{'' if nv.get('direct', nv.get('params', {}).get('direct')) else ' (buffered I/O)'}")
         print(f"{r['variant']:<20}{r['step_s']:>8.3f}{r['fwd_bwd_s']:>10.3f}{r['opt_s']:>7.3f}"
               f"{r['inter_bytes']:>14.0f}{trainlib.fmt_eth(r, 'eth_tx_bytes_per_node'):>28}{state:>11}"
               f"{r['peak_rss_mib']:>9.0f}{r['loss']:>7.3f}{mark}  {waits}")
@@ -280,7 +295,9 @@ def parser():
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-bench-nvme"),
-                   help="the *-nvme variants' offload_optimizer.nvme_path (Default: $TMPDIR/zpp-bench-nvme)")
+                   help="the NVMe variants' nvme_path (Default: $TMPDIR/zpp-bench-nvme)")
+    p.add_argument("--init", action="store_true",
+                   help="zpp variants: build the model under zpp.zero.Init (no rank ever holds it whole)")
     p.add_argument("--trace", default=None, metavar="PREFIX",
                    help="zpp variants: one more step under torch.profiler on rank 0, its chrome trace written "
                         "to PREFIX.chrome-trace.gz and its zpp spans to PREFIX.txt (one variant per run)")

@@ -142,8 +142,7 @@ def timed_steps(t, args, data, net, backward, opt_step, on_timed=None) -> tuple[
         split[1] += time.perf_counter() - t1
         return loss.item()
 
-    for _ in range(args.warmup):
-        step()
+    losses = [step() for _ in range(args.warmup)]
     if on_timed is not None:
         on_timed()
     t.counters.reset()
@@ -153,12 +152,13 @@ def timed_steps(t, args, data, net, backward, opt_step, on_timed=None) -> tuple[
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
+        losses.append(loss)
     t.barrier()
     dt = (time.perf_counter() - t0) / args.steps
     eth1 = eth_counters()
     snap = t.counters.snapshot()  # before the exchange of the link counters below
     row = {"step_s": dt, "fwd_bwd_s": split[0] / args.steps, "opt_s": split[1] / args.steps, "loss": loss,
-           **node_eth_per_step(t, eth0, eth1, args.steps)}
+           "losses": losses, **node_eth_per_step(t, eth0, eth1, args.steps)}
     return row, snap
 
 
