@@ -411,7 +411,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         moves), log, raise if the config says so. See [Note: skipped steps]."""
         step = self.global_steps + 1
         for u in trained:
-            u.flat.grad = None
+            u.drop_grad()
             if u.flat.master is not None:
                 u.flat.master.grad = None
         self.comms.weights_changed()  # as after a step: the next passes gather as they would
@@ -453,7 +453,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         for u in self.units:
             for p in u.params:
                 p.grad = None
-            u.flat.grad = None
+            u.drop_grad()
             u.host_grads.clear()
             u.reset_micro_step()
         for m in self.modes:

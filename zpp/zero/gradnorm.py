@@ -112,7 +112,6 @@ def unscale_and_clip(units: Sequence[Unit], *, norm: float | None, clip: float, 
             factor *= coef
     if factor != 1.0:
         for u in units:
-            if u.flat.grad is not None:
-                u.flat.grad.mul_(factor)
+            u.scale_grad(factor)
     return unscaled
 

@@ -32,9 +32,18 @@ evaluation pass between steps, a data-dependent graph) stops reading ahead for t
 that step (``mismatches``) and becomes the new trace; its reads are made at the point of use
 (``sync_reads``). Nothing but speed depends on the trace.
 
+[Note: gradients on NVMe]
+The reduced gradient shards (``4 Psi / W`` at the step) go to the same file: each unit's is
+written as soon as its reduction is added up (:meth:`zpp.zero.unit.Unit._fold`), with its
+squared norm kept in memory, so the step's norm and non-finite check read nothing; the
+unscaling and clipping factor is kept too and applied when the gradient is read back. A
+later micro-step reads it back to add to it; the step reads each unit's gradient one unit
+ahead of its update and drops it after. Every byte is the in-memory run's: the same fp32
+additions in the same order, one multiplication by the same factor.
+
 Memory: the shards of the units in use and up to ``buffer_count`` buffers of one unit's
-shard, instead of ``4 Psi / W`` (fp32) or ``6 Psi / W`` (bf16 with masters). The gradients
-stay in memory (``4 Psi / W`` at the step).
+shard (or gradient; one more while a gradient is read ahead of the step), instead of ``4 Psi / W`` (fp32) or ``6 Psi / W`` (bf16 with masters) of
+parameters and ``4 Psi / W`` of gradients.
 """
 from __future__ import annotations
 
@@ -72,6 +81,12 @@ class ParamSwapStats:
     """Steps whose order of uses differed from the trace."""
     recorded: int = 0
     """Traces recorded."""
+    grad_writes: int = 0
+    """Reduced gradient shards written (after each micro-step's reduction)."""
+    grad_reads: int = 0
+    """Reduced gradient shards read back (for the step, or to accumulate the next micro-step)."""
+    grad_read_ahead: int = 0
+    """Of those, reads issued ahead of the unit's step."""
 
 
 class ParamSwap:
@@ -92,6 +107,11 @@ class ParamSwap:
         self._trace: list[int] | None = None
         self._seq: list[int] = []
         self._matching = False
+        # the reduced gradients (see [Note: gradients on NVMe])
+        self._gregions: dict[int, Region] = {}
+        self._gdisk: dict[int, list] = {}  # unit -> [its squared norm (float64), a scale not yet applied]
+        self._greads: dict[int, Transfer] = {}
+        self._gwrites: dict[int, Transfer] = {}
 
     # ------------------------------------------------------------------ construction
     def adopt(self, unit: Unit) -> None:
@@ -108,6 +128,10 @@ class ParamSwap:
         self._tensors[k] = tuple(tensors)
         self._params[k] = unit.params
         self._regions[k] = Region(self.swap.allocate(nbytes), nbytes, entries)
+        if f.master is not None:  # its reduced gradient: fp32, the shard's size
+            g = torch.empty(f.master.shape, dtype=torch.float32, device="meta")
+            entries, nbytes = Region.layout({"grad": g})
+            self._gregions[k] = Region(self.swap.allocate(nbytes), nbytes, entries)
         self._resident.add(k)
         self.evict(unit, dirty=True)
         self.buffers.finish_writes()  # construction holds one unit's buffer at a time
@@ -193,6 +217,82 @@ class ParamSwap:
         views = self.swap.mapped(self._regions[unit.index])
         return views["t1" if "t1" in views else "t0"].float()
 
+    # ------------------------------------------------------------------ gradients
+    def grad_on_disk(self, unit: Unit) -> bool:
+        return unit.index in self._gdisk
+
+    def stash_grad(self, unit: Unit) -> None:
+        """Write ``unit``'s reduced gradient (``flat.grad``) to the file and free it, keeping its
+        squared norm (the step's check needs no read)."""
+        k, f = unit.index, unit.flat
+        region = self._gregions.get(k)
+        if region is None or f.grad is None:
+            return
+        g = f.grad
+        norm = g.double().pow(2).sum()
+        buf = self.buffers.get(region.nbytes)
+        buf.view(region.entries[0]).copy_(g.view(region.entries[0].shape))
+        t = self.swap.write(region, buf)
+        self.buffers.written(t)
+        self._gwrites[k] = t
+        f.grad = None
+        self._gdisk[k] = [norm, 1.0]
+        self.stats.grad_writes += 1
+
+    def grad_norm_sq(self, unit: Unit) -> torch.Tensor:
+        norm, scale = self._gdisk[unit.index]
+        return norm * (scale * scale)
+
+    def scale_grad(self, unit: Unit, factor: float) -> None:
+        """Multiply the gradient on disk by ``factor`` when it is read back (unscaling, clipping)."""
+        self._gdisk[unit.index][1] *= factor
+
+    def read_grad_ahead(self, unit: Unit) -> None:
+        """Start reading ``unit``'s gradient into a free buffer, if one is free now."""
+        k = unit.index
+        if k not in self._gdisk or k in self._greads:
+            return
+        w = self._gwrites.get(k)
+        if w is not None and not w.done():
+            return
+        region = self._gregions[k]
+        buf = self.buffers.get(region.nbytes, wait=False)
+        if buf is not None:
+            self._greads[k] = self.swap.read(region, buf)
+            self.stats.grad_read_ahead += 1
+
+    def take_grad(self, unit: Unit) -> torch.Tensor:
+        """``unit``'s gradient, back from the file (its scale applied); no longer on disk."""
+        k = unit.index
+        _, scale = self._gdisk.pop(k)
+        region = self._gregions[k]
+        t = self._greads.pop(k, None)
+        if t is None:
+            w = self._gwrites.pop(k, None)
+            if w is not None and not w.done():
+                self.buffers.finish_writes()
+            t = self.swap.read(region, self.buffers.get(region.nbytes))
+        self.stats.grad_reads += 1
+        buf = self.buffers.wait(t)
+        try:
+            g = buf.view(region.entries[0]).clone()
+        finally:
+            self.buffers.put(buf)
+        if scale != 1.0:
+            g.mul_(scale)
+        return g
+
+    def drop_grad(self, unit: Unit) -> None:
+        """Forget ``unit``'s gradient on disk (``zero_grad``, a skipped step)."""
+        k = unit.index
+        self._gdisk.pop(k, None)
+        t = self._greads.pop(k, None)
+        if t is not None:
+            try:
+                self.buffers.put(self.buffers.wait(t))
+            except OSError:
+                pass  # the gradient is dropped anyway
+
     def end_step(self) -> None:
         """The optimizer step is over: this step's order of uses becomes the trace if it
         differs (see [Note: parameters on NVMe])."""
@@ -254,10 +354,11 @@ class ParamSwap:
 
     def close(self) -> None:
         try:
-            for t in self._reads.values():
+            for t in [*self._reads.values(), *self._greads.values()]:
                 with contextlib.suppress(OSError):
                     self.buffers.wait(t)
             self._reads.clear()
+            self._greads.clear()
             self.buffers.finish_writes()
         finally:
             self.swap.close()

@@ -363,9 +363,14 @@ access] in :mod:`zpp.zero.access`).
         self.pending.clear()
 
     def _fold(self, reduced: torch.Tensor) -> None:
-        f = self.flat
+        f, swap = self.flat, self.comms.params_swap
         if f.master is not None and f.master.device != reduced.device:  # offloaded: to the host, overlapped
             self.host_grads.append(self.comms.offload.to_host(reduced))
+        elif swap is not None and swap.manages(self):  # see [Note: gradients on NVMe]
+            if swap.grad_on_disk(self):
+                f.grad = swap.take_grad(self)
+            f.add_grad(reduced)
+            swap.stash_grad(self)
         else:
             f.add_grad(reduced)
 
@@ -379,7 +384,27 @@ access] in :mod:`zpp.zero.access`).
         self.arrived.clear()
         self.reduced = False
 
+    @property
+    def grad_on_disk(self) -> bool:
+        """The reduced gradient is in the NVMe swap file (see [Note: gradients on NVMe])."""
+        return self.comms.params_swap is not None and self.comms.params_swap.grad_on_disk(self)
+
+    def scale_grad(self, factor: float) -> None:
+        """Multiply the reduced gradient by ``factor`` (on disk: when it is read back)."""
+        if self.grad_on_disk:
+            self.comms.params_swap.scale_grad(self, factor)
+        elif self.flat.grad is not None:
+            self.flat.grad.mul_(factor)
+
+    def drop_grad(self) -> None:
+        """Forget the reduced gradient, in memory or on disk."""
+        self.flat.grad = None
+        if self.comms.params_swap is not None:
+            self.comms.params_swap.drop_grad(self)
+
     def grad_norm_sq(self) -> torch.Tensor:
+        if self.grad_on_disk:
+            return self.comms.params_swap.grad_norm_sq(self)
         g = self.flat.grad
         return torch.zeros((), dtype=torch.float64) if g is None else g.double().pow(2).sum()
 
@@ -393,7 +418,7 @@ access] in :mod:`zpp.zero.access`).
     def stage_grad(self) -> None:
         """Hand the accumulated gradient to the optimizer as ``master.grad``."""
         f = self.flat
-        if f.grad is None:
+        if f.grad is None and not self.grad_on_disk:  # (on disk: the step reads it back, see modes/nvme.py)
             f.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=f.master.device)
         f.master.grad = f.grad
 

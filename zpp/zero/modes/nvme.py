@@ -1,5 +1,8 @@
 """ZeRO-Infinity's optimizer tier as a mode: per-element optimizer state on NVMe between steps.
 
+With ``offload_param.device: "nvme"`` (alone: the state stays in memory) each unit's shard and
+gradient come from :mod:`zpp.zero.param_swap` for its update; the shard goes back after it.
+
 ``offload_optimizer.device: "nvme"`` (stages 1-3). The state lives in a swap file
 (:class:`~zpp.zero.nvme.SwapFile`, see [Note: NVMe swap]); this mode steps the optimizer one
 unit at a time, so only ``buffer_count`` units' state is in memory at once:
@@ -103,6 +106,10 @@ class NvmeMode(Mode):
             for i, u in enumerate(todo):
                 if self.params is not None:
                     self.params.ensure(u)  # (and the next units' shards are read ahead)
+                    if grads[i] is None and self.params.grad_on_disk(u):
+                        grads[i] = self.params.take_grad(u)  # dropped after the unit's step
+                    if i + 1 < len(todo):
+                        self.params.read_grad_ahead(todo[i + 1])
                 buf = self.buffers.wait(reads.pop(i)) if i in reads else None
                 read_ahead(i + 1 + ahead, wait=False)
                 master, k = u.flat.master, index[id(u)]
@@ -113,6 +120,8 @@ class NvmeMode(Mode):
                 master.grad = grads[i]
                 optimizer.step()
                 master.grad = None
+                if u.flat.grad is None:  # read from the file for this step: not kept
+                    grads[i] = None
                 if self.params is not None and self.params.manages(u):
                     if not u.flat.master_aliases_shard:  # what publish does, before the shard leaves
                         u.flat.shard.copy_(master.detach())
