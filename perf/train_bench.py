@@ -67,6 +67,10 @@ VARIANTS = {
     # the parameter shards on NVMe (zpp.zero.param_swap), and both tiers (ZeRO-Infinity)
     "zero3-nvme-param": {"stage": 3, "offload_param": {"device": "nvme"}},
     "zero3-infinity": {"stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}},
+    # the same for a job under a memory cap: two buffers per tier, no gathers started ahead
+    "zero3-infinity-lean": {"stage": 3, "stage3_prefetch_bucket_size": 0,
+                            "offload_param": {"device": "nvme", "buffer_count": 2},
+                            "offload_optimizer": {"device": "nvme", "buffer_count": 2}},
     # DeepSpeed's ZeRO-Infinity optimizer tier (its async_io op: libaio-dev; stage 3 only there)
     "deepspeed3-nvme": {"stage": 3, "offload_optimizer": {"device": "nvme"}},
 }
