@@ -232,20 +232,7 @@ class Unit:
     # ------------------------------------------------------------------ gather (sharded parameters)
     def gather(self, phase: Phase) -> None:
         """Materialize the full buffer with the phase's gather. Idempotent. Completes a
-        started gather of the same phase (see [Note: one full storage per unit]
-With sharded parameters every gather of a unit fills the same full buffer, whose storage is
-grown back for the gather and resized to zero bytes at the release (FSDP frees its unsharded
-flat parameter the same way). Dropping the reference would not free it: autograd keeps what
-the forward saved for the backward, and for a linear layer that is a view of the weight
-(``weight.t()``), so every unit's gathered weights would stay in memory from its forward to
-its backward: ``4 Psi`` (the whole model, not ``4 Psi / W``) at the end of the forward. With
-one storage the saved views see the backward's gather of the same values (every phase's
-gather of unchanged shards gives the same values: exact, or quantized from the same shard, or
-hpZ's copy of the forward's result). Reading a released parameter's old view reads a storage
-of no memory: zpp's parameters hold an empty tensor while released (see [Note: parameter
-access] in :mod:`zpp.zero.access`).
-
-[Note: started gathers])."""
+        started gather of the same phase (see [Note: started gathers])."""
         f = self.flat
         if f.state is ShardState.GATHERED:
             return
