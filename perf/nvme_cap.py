@@ -98,8 +98,8 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="zero3,zero3-infinity",
                    help="train_bench variants, each run capped and free (Default: in memory, and with the "
                         "parameters and the optimizer state on NVMe)")
-    p.add_argument("--free", choices=("all", "first"), default="all",
-                   help="run every variant without the cap too (all), or only the first (the reference)")
+    p.add_argument("--free", choices=("all", "first", "none"), default="all",
+                   help="run every variant without the cap too (all), only the first (the reference), or none")
     p.add_argument("--malloc-mmap-threshold", type=int, default=131072,
                    help="glibc's MALLOC_MMAP_THRESHOLD_ for every run (0: glibc's default, which keeps freed "
                         "blocks of up to 32 MiB in its arenas) (Default: 128 KiB)")
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     cap = args.cap_mib << 20
     variants = args.variants.split(",")
     runs = [one(v, c, args, extra) for i, v in enumerate(variants)
-            for c in ((cap, None) if args.free == "all" or i == 0 else (cap,))]
+            for c in ((cap, None) if args.free == "all" or (i == 0 and args.free == "first") else (cap,))]
     psi = next((r["row"]["params"] for r in runs if "row" in r), None)
     print(f"# cap {args.cap_mib} MiB for the job (2 ranks); GPT params {psi}; 16 Psi = "
           f"{16 * psi / 2**20:.0f} MiB = {16 * psi / cap:.2f}x the cap" if psi else "# no run finished")

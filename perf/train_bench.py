@@ -169,7 +169,8 @@ def _run_variant(t, name, args, data):
         row["bytes_source"] = "counters"
         if args.trace:
             row["trace"] = _trace_step(t, args, data, engine)
-        engine.close()
+        # parameters on NVMe: the model may not fit in memory whole, so it is not gathered back
+        engine.close(gather_weights=engine.comms.params_swap is None)
     else:
         kind = "ddp" if name == "ddp" else "fsdp"
         row["inter_bytes"], row["intra_bytes"] = trainlib.modelled_bytes(kind, psi, t)

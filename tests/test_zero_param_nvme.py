@@ -272,3 +272,19 @@ def test_gradients_on_nvme_accumulate_and_clip_as_in_memory(tmp_path, fp16):
         # each step applied (a skipped step drops them unread)
         assert s["grad_writes"] == 8 * n and s["grad_reads"] == (8 - nv["skipped"]) * n
         assert 0 < s["grad_read_ahead"] <= s["grad_reads"]
+
+
+def _close_empty(t, root):
+    e, *_ = zz.initialize(model=_model(), config=_config(root), transport=t)
+    train_steps(e, _batches("gpt", t.rank, 2))
+    path = e.comms.params_swap.swap.path
+    e.close(gather_weights=False)
+    sharded = [u for u in e.units if u.shards_params]
+    return {"empty": all(p.numel() == 0 for u in sharded for p in u.params),
+            "freed": all(u._full.untyped_storage().nbytes() == 0 for u in sharded),
+            "removed": not path.exists(), "hooks": len(e.hooks.handles)}
+
+
+def test_close_without_gathering_leaves_a_model_larger_than_memory_unmaterialized(tmp_path):
+    for r in run_world(_close_empty, 2, args=(str(tmp_path),), timeout=90):
+        assert r == {"empty": True, "freed": True, "removed": True, "hooks": 0}

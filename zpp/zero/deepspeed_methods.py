@@ -107,5 +107,7 @@ class DeepSpeedMethods:
 
     def destroy(self) -> None:
         """End the engine: :meth:`close` (hooks removed, a ZeRO-3 module's weights gathered
-        back whole). DeepSpeed's leaves the module partitioned; zpp hands it back usable."""
-        self.close()
+        back whole, unless its parameters are on NVMe: a model that may not fit in memory
+        whole is left empty). DeepSpeed's leaves the module partitioned; zpp hands it back
+        usable where it fits."""
+        self.close(gather_weights=self.train_config.zero.offload_param.device != "nvme")

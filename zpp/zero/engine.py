@@ -503,11 +503,15 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                           load_lr_scheduler_states, load_module_only)
 
-    def close(self) -> None:
+    def close(self, gather_weights: bool = True) -> None:
         """Remove every hook the engine installed and, with sharded parameters, gather them
         back (collective: every rank calls it): the module holds its full weights again and
         may be trained or wrapped anew. The modes' work in flight is finished first (the
-        hierarchical mode's syncs: their updates are not applied)."""
+        hierarchical mode's syncs: their updates are not applied).
+
+        ``gather_weights=False`` leaves sharded parameters empty instead (nothing is
+        gathered, and with ``offload_param`` nvme the shards' file is removed): for a model
+        that does not fit in memory whole, after its last ``save_checkpoint``."""
         for m in getattr(self, "modes", ()):
             m.close()
         comms = getattr(self, "comms", None)
@@ -516,7 +520,14 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         if self.policy.shard_parameters and self.hooks.handles:
             self._prefetch.end_pass()
             for u in self.units:
-                u.gather(Phase.EXACT)
+                if gather_weights:
+                    u.gather(Phase.EXACT)
+                else:
+                    u.pinned = 0
+                    u.drop_started()
+                    u.release()
+            if not gather_weights and self.job_world.rank == 0:
+                log.info("zpp: engine closed without gathering its sharded parameters: they hold empty tensors")
         self.hooks.remove()
         if comms is not None and comms.params_swap is not None:
             comms.params_swap.close()
