@@ -77,6 +77,8 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
     if args.offload in ("nvme", "infinity"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path,
                                                          "buffer_count": args.buffer_count}
+    if args.prefetch_bucket_size is not None:
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = args.prefetch_bucket_size
     if args.offload == "infinity":
         cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path,
                                                      "buffer_count": args.buffer_count}
@@ -107,13 +109,16 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
     biggest = max(u.layout.padded_numel for u in engine.units)
     live = (engine.prefetch_stats.peak_inflight_numel + 2 * biggest) * 4
     held = engine.model_state_bytes()
-    engine.close()
+    reducer = engine.comms.reducer
+    reducing = reducer.peak_numel if reducer is not None else None
+    engine.close(gather_weights=args.offload != "infinity")
     shards = [u.flat.master.numel() for u in engine.units if u.trainable]
     row = {"rank": t.rank, "params": psi, "peak_bytes": peak, "construction_peak_bytes": built,
             "formula_bytes": 16 * psi // t.world_size, "live_units_bytes": live, "held_bytes": held,
             "units": len(engine.units), "biggest_unit_numel": biggest, "offload": args.offload,
             "shard_numel": sum(shards), "biggest_shard_numel": max(shards), "prefetch_peak_numel":
-            engine.prefetch_stats.peak_inflight_numel, "unit_numels": [u.layout.numel for u in engine.units],
+            engine.prefetch_stats.peak_inflight_numel, "reducing_peak_numel": reducing,
+            "unit_numels": [u.layout.numel for u in engine.units],
             "phase_peak_bytes": phases, "checkpoint_phases": checkpoint}
     with open(os.path.join(args.out_dir, f"rank{t.rank}.json"), "w") as f:
         json.dump(row, f)
@@ -189,6 +194,8 @@ def main(argv=None) -> int:
                         "too (infinity)")
     p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-memory-bench"))
     p.add_argument("--buffer-count", type=int, default=4)
+    p.add_argument("--prefetch-bucket-size", type=int, default=None,
+                   help="stage3_prefetch_bucket_size (Default: zpp's; 0 gathers no unit ahead)")
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="after training, save and load a checkpoint under DIR (shared by the ranks) and report "
                         "each one's peak and rise of anonymous memory")
@@ -208,8 +215,10 @@ def main(argv=None) -> int:
         r["predicted"] = cost.resident_peak(
             cost.MODES["zero3"], [cost.UnitShape(n) for n in r["unit_numels"]], one_node,
             activations=cal["activations_bytes"], step_temporaries=cal["step_temporaries_per_fp32"],
-            nvme_buffers=args.buffer_count if args.offload == "nvme" else 0,
-            live_numel=r["prefetch_peak_numel"] + 2 * r["biggest_unit_numel"])
+            nvme_buffers=args.buffer_count if args.offload in ("nvme", "infinity") else 0,
+            param_nvme_buffers=args.buffer_count if args.offload == "infinity" else 0,
+            live_numel=r["prefetch_peak_numel"] + 2 * r["biggest_unit_numel"],
+            reducing_numel=r["reducing_peak_numel"])
         r["predicted_peak_bytes"] = r["predicted"]["peak"]
         r["error"] = abs(r["predicted_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
     mib = 1 << 20

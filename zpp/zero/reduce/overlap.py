@@ -146,6 +146,10 @@ class ReductionThread:
         self._inflight: collections.deque[ThreadReduction] = collections.deque()
         #: reductions run on the worker so far (the bench and tests read it)
         self.started = 0
+        #: the most gradient elements handed to the worker and not yet reduced at once, the
+        #: new one included (each is a unit's full gradient held until its reduction is done;
+        #: zpp.tune.cost.resident_peak's ``reducing_numel``)
+        self.peak_numel = 0
 
     def start(self, flat: torch.Tensor, layout: FlatLayout, what: str = "") -> ThreadReduction:
         """Hand ``flat`` (which the worker then owns) to the worker, after waiting for the
@@ -158,6 +162,8 @@ class ReductionThread:
                 with self.clock.waiting("reduce", f"{oldest.what} (bound)"):
                     concurrent.futures.wait([oldest.future])
 
+        pending = sum(r.numel for r in self._inflight if not r.future.done())
+        self.peak_numel = max(self.peak_numel, pending + numel)
         ready = None
         if flat.is_cuda:  # the worker's device and stream: after the kernels that wrote flat
             ready = torch.cuda.Event()
