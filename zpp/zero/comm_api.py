@@ -88,7 +88,9 @@ class WeightGather(abc.ABC):
 
 class Reduction:
     """A gradient reduction started by :meth:`GradReduce.start`; :meth:`wait` returns its
-    result (this rank's range of the mean) once the transport work behind it is done.
+    result (this rank's range of the mean) once the transport work behind it is done. The
+    result is the caller's: a tensor the strategy keeps no reference to and never writes again
+    (the unit makes the first one its gradient without a copy).
 
     [Note: reductions return work]
     The transports have no non-blocking reduce-scatter or all-to-all yet, so every

@@ -356,10 +356,10 @@ class Unit:
         elif swap is not None and swap.manages(self):  # see [Note: gradients on NVMe]
             if swap.grad_on_disk(self):
                 f.grad = swap.take_grad(self)
-            f.add_grad(reduced)
+            f.add_grad(reduced, owned=True)
             swap.stash_grad(self)
         else:
-            f.add_grad(reduced)
+            f.add_grad(reduced, owned=True)
 
     @property
     def has_unreduced_grads(self) -> bool:
