@@ -217,8 +217,7 @@ def main(argv=None) -> int:
             activations=cal["activations_bytes"], step_temporaries=cal["step_temporaries_per_fp32"],
             nvme_buffers=args.buffer_count if args.offload in ("nvme", "infinity") else 0,
             param_nvme_buffers=args.buffer_count if args.offload == "infinity" else 0,
-            live_numel=r["prefetch_peak_numel"] + 2 * r["biggest_unit_numel"],
-            reducing_numel=r["reducing_peak_numel"])
+            live_numel=r["prefetch_peak_numel"] + 2 * r["biggest_unit_numel"])
         r["predicted_peak_bytes"] = r["predicted"]["peak"]
         r["error"] = abs(r["predicted_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
     mib = 1 << 20

@@ -592,7 +592,7 @@ def _largest_stepped(mode: Mode, units: Sequence[UnitShape], W: int) -> int:
 
 def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
            prefetch_units: int = 1, nvme_buffers: int = 0, live_numel: int | None = None,
-           param_nvme_buffers: int = 0, reducing_numel: int | None = None) -> dict[str, float]:
+           param_nvme_buffers: int = 0) -> dict[str, float]:
     """Model-state bytes per rank: at rest (between steps) and at the peak of a step.
     ``nvme_buffers``: the moments are on NVMe (``offload_optimizer.device: "nvme"``) and
     this many host buffers of one unit's moments stand for them; ``live_numel``: the
@@ -600,9 +600,7 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
     ``1 + prefetch_units``); ``param_nvme_buffers``: stage 3's parameter shards and reduced
     gradients are on NVMe too (``offload_param.device: "nvme"``, [Note: parameters on NVMe]):
     this many host buffers of one unit's shard stand for them at rest, and in a step the
-    shards of the units being gathered (``live_numel / W``) and one reduced gradient shard;
-    ``reducing_numel``: the full gradients handed to the reduction thread and not yet reduced
-    at once (``engine.comms.reducer.peak_numel``), where measured (else one unit's)."""
+    shards of the units being gathered (``live_numel / W``) and one reduced gradient shard."""
     W, R = _zero_world(mode, cluster), cluster.ranks_per_node
     psi = sum(u.numel for u in units)
     shard = sum(u.shard(W) for u in units)
@@ -623,7 +621,7 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
     host = optim if mode.offload else 0
     optim -= host
     grads = 4 * (shard if mode.stage >= 2 else psi)
-    unit_grad = 4 * max(biggest, reducing_numel or 0) if mode.stage >= 2 else 0
+    unit_grad = 4 * biggest if mode.stage >= 2 else 0
     if param_nvme_buffers:  # the pool (shards and gradients pass through it), and what a step reads in
         u = _largest_stepped(mode, units, W)
         params = param_nvme_buffers * max(param_bytes, 4) * u
@@ -638,8 +636,7 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
 
 def resident_peak(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, activations: float,
                   step_temporaries: float, nvme_buffers: int = 0, live_numel: int | None = None,
-                  param_bytes: int = 4, param_nvme_buffers: int = 0,
-                  reducing_numel: int | None = None) -> dict[str, float]:
+                  param_bytes: int = 4, param_nvme_buffers: int = 0) -> dict[str, float]:
     """A rank's peak resident bytes above what it held before the model (fp32 AdamW on the
     host; [Note: the resident peak]): the larger of the backward (:func:`memory`'s peak plus
     one micro-batch's ``activations``) and the optimizer step (the states at rest, the
@@ -647,7 +644,7 @@ def resident_peak(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, a
     of the largest tensor stepped, one unit's master, as zpp steps unit by unit in memory
     and on NVMe alike)."""
     m = memory(mode, units, cluster, param_bytes=param_bytes, nvme_buffers=nvme_buffers, live_numel=live_numel,
-               param_nvme_buffers=param_nvme_buffers, reducing_numel=reducing_numel)
+               param_nvme_buffers=param_nvme_buffers)
     stepped = _largest_stepped(mode, units, _zero_world(mode, cluster))
     backward = m["peak"] + activations
     step = m["rest"] + m["grads"] + step_temporaries * 4 * stepped

@@ -147,8 +147,8 @@ class ReductionThread:
         #: reductions run on the worker so far (the bench and tests read it)
         self.started = 0
         #: the most gradient elements handed to the worker and not yet reduced at once, the
-        #: new one included (each is a unit's full gradient held until its reduction is done;
-        #: zpp.tune.cost.resident_peak's ``reducing_numel``)
+        #: new one included (each is a unit's full gradient, held until its reduction is done;
+        #: perf/memory_bench.py reports it beside the resident peak)
         self.peak_numel = 0
 
     def start(self, flat: torch.Tensor, layout: FlatLayout, what: str = "") -> ThreadReduction:
