@@ -14,56 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import runinfo  # noqa: E402
 
-V1 = Path("/sys/fs/cgroup/memory")
-V2 = Path("/sys/fs/cgroup")
-
-
-class Cgroup:
-    """A memory cgroup of ``limit`` bytes (None: no limit) for one command."""
-
-    def __init__(self, name: str, limit: int | None) -> None:
-        self.v1 = (V1 / "memory.limit_in_bytes").exists()
-        self.path = (V1 if self.v1 else V2) / name
-        self.path.mkdir()
-        if limit is not None:
-            (self.path / ("memory.limit_in_bytes" if self.v1 else "memory.max")).write_text(str(limit))
-            if self.v1 and (self.path / "memory.memsw.limit_in_bytes").exists():
-                (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))  # no escape into swap
-            elif not self.v1:
-                (self.path / "memory.swap.max").write_text("0")
-
-    def peak(self) -> int:
-        return int((self.path / ("memory.max_usage_in_bytes" if self.v1 else "memory.peak")).read_text())
-
-    def failcnt(self) -> int:
-        if self.v1:
-            return int((self.path / "memory.failcnt").read_text())
-        events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
-        return int(events.get("oom_kill", 0))
-
-    def run(self, cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-        procs = self.path / "cgroup.procs"
-        shell = f"echo $$ > {procs} && exec \"$@\""
-        return subprocess.run(["sh", "-c", shell, "sh", *cmd], capture_output=True, text=True, timeout=timeout,
-                              env=env)
-
-    def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
+sys.path.insert(0, str(HERE.parent))
+from tests.memcap import Cgroup  # noqa: E402  (the cgroup the opt-in tests use too)
 
 
 def one(variant: str, cap: int | None, args, extra: list[str]) -> dict:
@@ -78,7 +38,7 @@ def one(variant: str, cap: int | None, args, extra: list[str]) -> dict:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
             proc = cg.run(cmd, timeout=args.timeout, env=env)
             rec = {"variant": variant, "cap_bytes": cap, "rc": proc.returncode, "peak_bytes": cg.peak(),
-                   "limit_hits": cg.failcnt()}
+                   "limit_hits": cg.failcnt(), "oom_kills": cg.oom_kills()}
         finally:
             cg.remove()
         if proc.returncode == 0:
