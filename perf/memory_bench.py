@@ -23,9 +23,12 @@ for each setting, zpp.tune.cost.offload_peak_bytes): a calibration in the launch
 before any rank starts, measures on one plain torch GPT of the same shape the activations of
 one micro-batch (the resident rise over a forward and backward, less the gradients) and
 torch's AdamW temporaries per element of the largest tensor it steps (the rise over a step of
-one tensor of the largest unit shard's size). The peak is the larger of the backward (states
-at rest, the live units, a unit's full gradient, the activations) and the step (states, the
-temporaries of one unit's shard: zpp steps unit by unit, one tensor each).
+one tensor of the largest unit shard's size); a ZeRO run of a one-block GPT (1 x 64) in the
+same setting measures the runtime a rank holds beside its model once it has stepped (its step
+phase less that phase's terms). The peak is the larger of the backward at its start (states
+at rest but the reduced gradients, the units prefetch gathered, a unit's full gradient, the
+activations) and the step (states, the temporaries of one unit's shard: zpp steps unit by
+unit, one tensor each), each plus the runtime.
 
     python perf/memory_bench.py --world 2 --n-layer 8 --n-embd 512 --offload none
     python perf/memory_bench.py --world 2 --n-layer 8 --n-embd 512 --offload nvme
@@ -203,21 +206,37 @@ def main(argv=None) -> int:
     args.n_head = 8 if args.n_embd % 8 == 0 else args.n_head
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        args.out_dir = tmp
-        trainlib.launch(_rank, args)
-        rows = [json.loads(open(os.path.join(tmp, f"rank{r}.json")).read()) for r in range(args.world)]
     from zpp.tune import cost
 
-    cal = calibrate(args, max(r["biggest_shard_numel"] for r in rows))
     one_node = cost.Cluster(1, args.world, cost.LINKS["loopback"], cost.LINKS["loopback"])
-    for r in rows:
-        r["predicted"] = cost.resident_peak(
+
+    def run(a) -> list[dict]:
+        with tempfile.TemporaryDirectory() as tmp:
+            a.out_dir = tmp
+            trainlib.launch(_rank, a)
+            return [json.loads(open(os.path.join(tmp, f"rank{r}.json")).read()) for r in range(a.world)]
+
+    def predict(r: dict, cal: dict, runtime: float) -> dict:
+        # the gathered units at the backward's start: what prefetch started ahead, at least the
+        # unit computing and the one being released
+        return cost.resident_peak(
             cost.MODES["zero3"], [cost.UnitShape(n) for n in r["unit_numels"]], one_node,
             activations=cal["activations_bytes"], step_temporaries=cal["step_temporaries_per_fp32"],
             nvme_buffers=args.buffer_count if args.offload in ("nvme", "infinity") else 0,
             param_nvme_buffers=args.buffer_count if args.offload == "infinity" else 0,
-            live_numel=r["prefetch_peak_numel"] + 2 * r["biggest_unit_numel"])
+            live_numel=max(r["prefetch_peak_numel"], 2 * r["biggest_unit_numel"]), runtime=runtime)
+
+    # the runtime term: the same setting on a one-block GPT, its step phase less that phase's terms
+    small = argparse.Namespace(**{**vars(args), "n_layer": 1, "n_embd": 64, "n_head": 8, "checkpoint": None})
+    small_rows = run(small)
+    small_cal = calibrate(small, max(r["biggest_shard_numel"] for r in small_rows))
+    runtime = sum(r["phase_peak_bytes"]["step"] - predict(r, small_cal, 0.0)["step"]
+                  for r in small_rows) / len(small_rows)
+    rows = run(args)
+    cal = calibrate(args, max(r["biggest_shard_numel"] for r in rows))
+    cal["runtime_bytes"] = runtime
+    for r in rows:
+        r["predicted"] = predict(r, cal, runtime)
         r["predicted_peak_bytes"] = r["predicted"]["peak"]
         r["error"] = abs(r["predicted_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
     mib = 1 << 20

@@ -183,10 +183,15 @@ def test_resident_peak_by_hand():
         assert m["rest"] == 4 * shard + moments and m["grads"] == 4 * shard
         assert m["peak"] == m["rest"] + 4 * 3 * 8192 + 4 * shard + 4 * 8192  # live units, grad shards, a unit's grad
         r = cost.resident_peak(MODES["zero3"], units, C22, activations=1_000_000, step_temporaries=2.0,
-                               nvme_buffers=buffers, live_numel=3 * 8192)
-        assert r["backward"] == m["peak"] + 1_000_000
-        assert r["step"] == 4 * shard + moments + 4 * shard + 2.0 * 4 * 2048  # two copies of the biggest shard
+                               nvme_buffers=buffers, live_numel=3 * 8192, runtime=5000)
+        # the backward's start: no reduced shard yet (the last step dropped them)
+        assert r["backward"] == m["peak"] - 4 * shard + 1_000_000 + 5000
+        assert r["step"] == 4 * shard + moments + 4 * shard + 2.0 * 4 * 2048 + 5000  # two copies of the biggest shard
         assert r["peak"] == max(r["backward"], r["step"]) == r["backward"]
+        # from the second micro-step of an accumulation on, the shards are there at its start
+        acc = cost.resident_peak(MODES["zero3"], units, C22, activations=1_000_000, step_temporaries=2.0,
+                                 nvme_buffers=buffers, live_numel=3 * 8192, runtime=5000, accumulating=True)
+        assert acc["backward"] == r["backward"] + 4 * shard and acc["step"] == r["step"]
     # the optimizer step sets the peak when its temporaries outweigh the activations
     r = cost.resident_peak(MODES["zero3"], units, C22, activations=0, step_temporaries=40.0)
     assert r["peak"] == r["step"] > r["backward"]
@@ -204,7 +209,7 @@ def test_resident_peak_with_parameters_on_nvme_by_hand():
     assert m["peak"] == m["rest"] + live + 4 * u + 4 * 8192  # and a unit's full gradient
     r = cost.resident_peak(MODES["zero3"], units, C22, activations=1_000_000, step_temporaries=2.0,
                            nvme_buffers=3, param_nvme_buffers=2, live_numel=3 * 8192)
-    assert r["backward"] == m["peak"] + 1_000_000
+    assert r["backward"] == m["peak"] + 1_000_000  # the one reduced shard in memory is counted
     # the pools, the stepping unit's gradient and shard, AdamW's two copies of it
     assert r["step"] == m["rest"] + 4 * u + 4 * u + 2.0 * 4 * u
     with pytest.raises(ValueError, match="param_nvme_buffers=2 needs stage 3"):

@@ -72,13 +72,17 @@ largest unit's moments); the outer mode adds ``8 Psi / R``. The peak adds the pr
 
 [Note: the resident peak]
 :func:`resident_peak` splits ``other_bytes`` where the optimizer tier changes it: a rank's
-resident peak above what it held before the model is the larger of the backward (the states
-at rest, the reduced gradient shards, the gathered units, a unit's full gradient and one
-micro-batch's activations) and the optimizer step (the states, the gradient shards and
-torch's AdamW temporaries: about two fp32 copies of the largest tensor it steps on the host,
-where torch runs the single-tensor loop; zpp steps one flat master per unit). Both measured
-terms (activations, temporaries per element) come from a plain torch run of the model
-(perf/memory_bench.py's calibration), not from the ZeRO run they predict.
+resident peak above what it held before the model is the larger of the backward at its start
+(the states at rest, the gathered units, a unit's full gradient and one micro-batch's
+activations; the reduced gradient shards only from a second micro-step on, since the step
+before dropped them and they grow back as the activations are freed) and the optimizer step
+(the states, the gradient shards and torch's AdamW temporaries: about two fp32 copies of the
+largest tensor it steps on the host, where torch runs the single-tensor loop; zpp steps one
+flat master per unit), each plus the runtime a rank holds once it has stepped (glibc's heap
+and arenas, threads, the communicators: about 100 MiB per CPU rank here, not model state).
+The measured terms come from runs apart from the ZeRO run they predict (perf/memory_bench.py's
+calibration): the activations and temporaries per element from a plain torch run of the
+model, the runtime from a ZeRO run of a one-block model in the same setting.
 """
 from __future__ import annotations
 
@@ -636,18 +640,24 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
 
 def resident_peak(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, activations: float,
                   step_temporaries: float, nvme_buffers: int = 0, live_numel: int | None = None,
-                  param_bytes: int = 4, param_nvme_buffers: int = 0) -> dict[str, float]:
+                  param_bytes: int = 4, param_nvme_buffers: int = 0, runtime: float = 0.0,
+                  accumulating: bool = False) -> dict[str, float]:
     """A rank's peak resident bytes above what it held before the model (fp32 AdamW on the
-    host; [Note: the resident peak]): the larger of the backward (:func:`memory`'s peak plus
-    one micro-batch's ``activations``) and the optimizer step (the states at rest, the
-    reduced gradients and torch's temporaries: ``step_temporaries`` bytes per fp32 element
-    of the largest tensor stepped, one unit's master, as zpp steps unit by unit in memory
-    and on NVMe alike)."""
+    host; [Note: the resident peak]): the larger of the backward at its start (:func:`memory`'s
+    peak plus one micro-batch's ``activations``, without the reduced gradient shards unless
+    ``accumulating``: an earlier micro-step's are kept) and the optimizer step (the states at
+    rest, the reduced gradients and torch's temporaries: ``step_temporaries`` bytes per fp32
+    element of the largest tensor stepped, one unit's master, as zpp steps unit by unit in
+    memory and on NVMe alike), both plus ``runtime``, what a rank holds beside its model once
+    it has stepped (the allocator's heap, threads, communicators; measured on a small model)."""
     m = memory(mode, units, cluster, param_bytes=param_bytes, nvme_buffers=nvme_buffers, live_numel=live_numel,
                param_nvme_buffers=param_nvme_buffers)
     stepped = _largest_stepped(mode, units, _zero_world(mode, cluster))
-    backward = m["peak"] + activations
-    step = m["rest"] + m["grads"] + step_temporaries * 4 * stepped
+    # at the backward's start the reduced shards are not there yet (the last step dropped them);
+    # with the parameters on NVMe the one shard in memory is counted (it is not the step's)
+    held = m["grads"] if accumulating or param_nvme_buffers else 0
+    backward = m["peak"] - m["grads"] + held + activations + runtime
+    step = m["rest"] + m["grads"] + step_temporaries * 4 * stepped + runtime
     if param_nvme_buffers:  # the unit stepping: its shard read in beside its gradient
         step += param_bytes * stepped
     return {"states": m["rest"] + m["grads"], "backward": backward, "step": step, "peak": max(backward, step)}
