@@ -79,7 +79,7 @@ before dropped them and they grow back as the activations are freed) and the opt
 (the states, the gradient shards and torch's AdamW temporaries: about two fp32 copies of the
 largest tensor it steps on the host, where torch runs the single-tensor loop; zpp steps one
 flat master per unit), each plus the runtime a rank holds once it has stepped (glibc's heap
-and arenas, threads, the communicators: about 100 MiB per CPU rank here, not model state).
+and arenas, threads, the communicators: 86-87 MiB per CPU rank here, not model state).
 The measured terms come from runs apart from the ZeRO run they predict (perf/memory_bench.py's
 calibration): the activations and temporaries per element from a plain torch run of the
 model, the runtime from a ZeRO run of a one-block model in the same setting.
