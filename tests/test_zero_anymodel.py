@@ -114,6 +114,7 @@ HANDWRITTEN_2X2 = ["functional_tied_ckpt_reentrant", "seq2seq"]
 HF_2X2 = ["gpt2_ckpt", "llama", "t5"]
 
 
+@pytest.mark.slow  # 25-35 s each; test_stage3_two_ranks keeps both models in the quick lane
 @pytest.mark.parametrize("names", [HANDWRITTEN_2X2, HF_2X2], ids=["handwritten", "hf"])
 def test_stage3_and_zeropp_two_nodes(names):
     variants = ["hpz", "qwz", "qgz"]

@@ -258,7 +258,8 @@ def _world(t):
 
 
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("world,rpn", [(1, None), (2, None), (4, 2)], ids=["1rank", "2ranks", "2x2"])
+@pytest.mark.parametrize("world,rpn", [(1, None), (2, None), pytest.param(4, 2, marks=pytest.mark.slow)],
+                         ids=["1rank", "2ranks", "2x2"])
 def test_stages_match_ddp(world, rpn):
     results = run_world(_world, world, ranks_per_node=rpn, timeout=300)
     print({"memory (reported, resident, ZeRO formula)": results[0]["memory"]})

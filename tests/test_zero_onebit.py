@@ -384,6 +384,7 @@ def _convergence(t):
     return {label: _train_gpt(t, corpus, evals, kind, lr, extra) for label, kind, lr, extra in CONV_RUNS}
 
 
+@pytest.mark.slow  # a convergence run: the quick lane leaves it to CI
 @pytest.mark.timeout(420)
 def test_convergence_gpt_against_uncompressed():
     losses = run_world(_convergence, 2, backend="torch", timeout=400)

@@ -143,7 +143,7 @@ def _memory(t, batches):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,rpn", [(2, None), (4, 2)], ids=["2ranks", "2x2"])
+@pytest.mark.parametrize("world,rpn", [(2, None), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["2ranks", "2x2"])
 def test_prefetch_is_exact_and_moves_the_same_bytes(world, rpn):
     results = run_world(_world, world, ranks_per_node=rpn, timeout=280)
     for rank, res in enumerate(results):

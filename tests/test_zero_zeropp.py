@@ -105,6 +105,7 @@ def _convergence(t, steps, seeds):
     return out
 
 
+@pytest.mark.slow  # a convergence run (about 50 s): the quick lane leaves it to CI
 @pytest.mark.timeout(760)
 def test_zeropp_convergence_and_bytes():
     results = run_world(_convergence, 4, ranks_per_node=2, args=(STEPS, SEEDS), timeout=720)
