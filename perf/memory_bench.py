@@ -110,14 +110,17 @@ def _rank(t, args):  # (t, args): trainlib.run_rank calls it so
     peak = max(_status("VmHWM"), peak_so_far) - base
     checkpoint = _checkpoint_phases(engine, args, base) if args.checkpoint else {}
     biggest = max(u.layout.padded_numel for u in engine.units)
-    live = (engine.prefetch_stats.peak_inflight_numel + 2 * biggest) * 4
+    # the gathered units at the backward's start: what prefetch started ahead, at least the
+    # unit computing and the one being released
+    live_numel = max(engine.prefetch_stats.peak_inflight_numel, 2 * biggest)
     held = engine.model_state_bytes()
     reducer = engine.comms.reducer
     reducing = reducer.peak_numel if reducer is not None else None
     engine.close(gather_weights=args.offload != "infinity")
     shards = [u.flat.master.numel() for u in engine.units if u.trainable]
     row = {"rank": t.rank, "params": psi, "peak_bytes": peak, "construction_peak_bytes": built,
-            "formula_bytes": 16 * psi // t.world_size, "live_units_bytes": live, "held_bytes": held,
+            "formula_bytes": 16 * psi // t.world_size, "live_units_numel": live_numel,
+            "live_units_bytes": 4 * live_numel, "held_bytes": held,
             "units": len(engine.units), "biggest_unit_numel": biggest, "offload": args.offload,
             "shard_numel": sum(shards), "biggest_shard_numel": max(shards), "prefetch_peak_numel":
             engine.prefetch_stats.peak_inflight_numel, "reducing_peak_numel": reducing,
@@ -217,14 +220,12 @@ def main(argv=None) -> int:
             return [json.loads(open(os.path.join(tmp, f"rank{r}.json")).read()) for r in range(a.world)]
 
     def predict(r: dict, cal: dict, runtime: float) -> dict:
-        # the gathered units at the backward's start: what prefetch started ahead, at least the
-        # unit computing and the one being released
         return cost.resident_peak(
             cost.MODES["zero3"], [cost.UnitShape(n) for n in r["unit_numels"]], one_node,
             activations=cal["activations_bytes"], step_temporaries=cal["step_temporaries_per_fp32"],
             nvme_buffers=args.buffer_count if args.offload in ("nvme", "infinity") else 0,
             param_nvme_buffers=args.buffer_count if args.offload == "infinity" else 0,
-            live_numel=max(r["prefetch_peak_numel"], 2 * r["biggest_unit_numel"]), runtime=runtime)
+            live_numel=r["live_units_numel"], runtime=runtime)
 
     # the runtime term: the same setting on a one-block GPT, its step phase less that phase's terms
     small = argparse.Namespace(**{**vars(args), "n_layer": 1, "n_embd": 64, "n_head": 8, "checkpoint": None})

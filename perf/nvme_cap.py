@@ -31,16 +31,13 @@ def one(variant: str, cap: int | None, args, extra: list[str]) -> dict:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, str(HERE / "train_bench.py"), "--world", "2", "--variants", variant,
                "--nvme-path", str(args.nvme_path), "--json", str(out), *extra]
-        cg = Cgroup(f"zpp-cap-{os.getpid()}-{variant}-{'cap' if cap else 'free'}", cap)
-        try:
-            env = dict(os.environ)
-            if args.malloc_mmap_threshold:  # glibc: larger blocks are mapped, and unmapped when freed
-                env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        env = dict(os.environ)
+        if args.malloc_mmap_threshold:  # glibc: larger blocks are mapped, and unmapped when freed
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+        with Cgroup(f"zpp-cap-{os.getpid()}-{variant}-{'cap' if cap else 'free'}", cap) as cg:
             proc = cg.run(cmd, timeout=args.timeout, env=env)
             rec = {"variant": variant, "cap_bytes": cap, "rc": proc.returncode, "peak_bytes": cg.peak(),
                    "limit_hits": cg.failcnt(), "oom_kills": cg.oom_kills()}
-        finally:
-            cg.remove()
         if proc.returncode == 0:
             row = json.loads(out.read_text())["rows"][0]
             rec.update(row=row, losses=row.get("losses"), loss=row["loss"])

@@ -68,8 +68,7 @@ class Cgroup:
         """How often the limit was hit (v1) or the OOM killer ran in the cgroup (v2)."""
         if self.v1:
             return int((self.path / "memory.failcnt").read_text())
-        events = dict(line.split() for line in (self.path / "memory.events").read_text().splitlines())
-        return int(events.get("oom_kill", 0))
+        return self.oom_kills() or 0
 
     def oom_kills(self) -> int | None:
         """Processes the memcg OOM killer ended in the cgroup (None where the kernel does not say)."""

@@ -172,8 +172,8 @@ class FlatShard:
     def add_grad(self, g: torch.Tensor, *, owned: bool = False) -> None:
         """Accumulate a reduced gradient of the owned range. ``owned``: nothing else holds
         ``g`` (a reduction's result, see :class:`~zpp.zero.comm_api.Reduction`), so the first
-        one becomes ``grad`` as it is; otherwise it is copied (a copy of each unit's result
-        held beside the results still to fold was a second ``4 Psi / W`` at the step's start)."""
+        one becomes ``grad`` as it is (no copy of each unit's shard per step); otherwise it is
+        copied."""
         if self.grad is None:
             self.grad = g.float() if g.dtype != torch.float32 else g if owned else g.clone()
         else:
