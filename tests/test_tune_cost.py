@@ -38,6 +38,24 @@ def test_stages_1_2_by_hand():
         assert (inter, intra) == (2 * 2 * 8192 + 8, 2 * 8192 + 4)
 
 
+def test_gradient_accumulation_by_hand():
+    # two backward passes per optimizer step: stage 3 gathers twice and reduce-scatters twice,
+    # stage 2 reduce-scatters twice and publishes once, stage 1 reduces the accumulated
+    # gradient once; the norm is once per step
+    def with_micro(mode):
+        t = cost.traffic(MODES[mode], [UnitShape(8192)], C22, micro_steps=2)
+        return t.inter_bytes, t.intra_bytes
+    assert with_micro("zero3") == (6 * 2 * 8192 + 2 * 4, 6 * 8192 + 4)
+    assert with_micro("zero2") == (3 * 2 * 8192 + 8, 3 * 8192 + 4)
+    assert with_micro("zero1") == (2 * 2 * 8192 + 8, 2 * 8192 + 4)
+    # hpZ: only the step's first gather crosses nodes (two hops: 8192 B to the remote peer, the
+    # node's 16384 B to the local one); the second forward and both backwards read the
+    # secondary shards (16384 B to the local peer each); two reduce-scatters of 8192 B per peer
+    assert with_micro("zero3-hpz") == (8192 + 2 * 2 * 8192 + 8, 16384 + 3 * 16384 + 2 * 8192 + 4)
+    with pytest.raises(ValueError, match="micro_steps"):
+        cost.traffic(MODES["zero2"], [UnitShape(8192)], C22, micro_steps=0)
+
+
 def test_zeropp_by_hand():
     inter, intra, _ = _bytes("zero3-zeropp", [UnitShape(8192)])
     # qwZ: 2048 int8 codes + one fp32 scale (group 2048) per rank, in two hops (hpZ and qgZ
@@ -239,12 +257,12 @@ def _model():
     return GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=8))
 
 
-def _measure(t, modes, threshold):
+def _measure(t, modes, threshold, gas):
     out = {}
     for name in modes:
         mode = MODES[name]
         cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-               **mode.config(2)}
+               "gradient_accumulation_steps": gas, **mode.config(2)}
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
         cfg["zpp"] = {**cfg.get("zpp", {}), "unit_min_numel": 2000}
         if mode.onebit:
@@ -252,10 +270,11 @@ def _measure(t, modes, threshold):
         engine, *_ = zz.initialize(model=_model(), config=cfg, transport=t)
         g = torch.Generator().manual_seed(t.rank)
 
-        def step():
-            x = torch.randint(0, 128, (2, 8), generator=g)
-            engine.backward(engine(x, x))
-            engine.step()
+        def step():  # one optimizer step: gas backward passes
+            for _ in range(gas):
+                x = torch.randint(0, 128, (2, 8), generator=g)
+                engine.backward(engine(x, x))
+                engine.step()
         step()
         step()  # past a 1-bit optimizer's freeze step
         t.counters.reset()
@@ -273,11 +292,12 @@ ZERO_MODES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("threshold", [0, 1000])
-def test_bytes_equal_the_counters(threshold):
-    """Every mode's bytes per step, predicted from the engine's units alone, equal what the
-    transport counted: exact, inter- and intra-node, with and without persistent units."""
-    res = run_world(_measure, 4, ranks_per_node=2, args=(ZERO_MODES, threshold), timeout=200)[0]
+@pytest.mark.parametrize("threshold, gas", [(0, 1), (1000, 1), (1000, 2)])
+def test_bytes_equal_the_counters(threshold, gas):
+    """Every mode's bytes per optimizer step, predicted from the engine's units alone, equal
+    what the transport counted: exact, inter- and intra-node, with and without persistent
+    units, with and without gradient accumulation."""
+    res = run_world(_measure, 4, ranks_per_node=2, args=(ZERO_MODES, threshold, gas), timeout=200)[0]
     assert set(res) == set(ZERO_MODES)
     for name, (inter, intra, units, trace) in res.items():
         assert inter > 0 and intra > 0, (name, inter, intra)
@@ -288,5 +308,5 @@ def test_bytes_equal_the_counters(threshold):
             assert any(p for _, p in units) and not all(p for _, p in units), units
         stage3 = MODES[name].stage == 3
         shapes = cost.units_from_trace([n for n, _ in units], [p and stage3 for _, p in units], trace)
-        want = cost.traffic(MODES[name], shapes, C22)
+        want = cost.traffic(MODES[name], shapes, C22, micro_steps=gas)
         assert (want.inter_bytes, want.intra_bytes) == (inter, intra), (name, units)

@@ -26,6 +26,9 @@ to each peer; all_reduce of ``M``: ``floor(2 M / W)`` to each peer. Per unit and
   backward from the node: ``m = b p / R`` to the ``R - 1`` local peers only; qgZ replaces the
   reduce-scatter by two all-to-alls of codes: ``(R-1)/R q(W c)`` inside the node and
   ``(N-1)/N q(N c)`` across (``c``: the slice rounded up to whole groups);
+* with gradient accumulation (``micro_steps`` backward passes per optimizer step) stage 3's
+  gathers and the reduce-scatters of stages 2-3 repeat at every backward; stages 0-1 reduce,
+  and stages 1-2 publish, once per optimizer step;
 * the gradient norm: one all_reduce of 8 bytes per step (stages 1-3); 1-bit optimizers:
   a 4-byte finiteness flag instead, and after ``freeze_step`` the 1-bit all-reduce of the
   fused gradient (frames of ``c/8 + 4`` bytes, ``c = ceil(n / 8W) 8``: one to every peer,
@@ -99,7 +102,7 @@ from zpp.zero.shard import SHARD_ALIGN
 __all__ = [
     "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
     "FORWARD_SHARE", "WIRE_OVERHEAD", "all_reduce_link_bytes", "compute_from_step", "even_units", "memory",
-    "predict", "resident_peak", "step_time", "traffic", "units_from_trace",
+    "outer_times", "predict", "resident_peak", "step_time", "traffic", "units_from_trace",
 ]
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -320,6 +323,8 @@ class _Book:
         self.background = False
         self.prefetched = False
         self.beside_backward = False
+        self.repeat = 1
+        """Calls per optimizer step of what is booked now (the micro-steps of an accumulation)."""
 
     def _peers(self, group: str) -> tuple[int, int]:
         """(peers on this node, peers on other nodes) in ``group``."""
@@ -340,8 +345,8 @@ class _Book:
     def add(self, what: str, group: str, per_peer: int, node_link: float, steps: int, weight: float) -> None:
         pi, pe = self._peers(group)
         if self._size(group) > 1:
-            self.calls.append(Call(what, pi * per_peer, pe * per_peer, node_link, steps, weight, self.background,
-                                   self.prefetched, self.beside_backward))
+            self.calls.append(Call(what, pi * per_peer, pe * per_peer, node_link, steps, weight * self.repeat,
+                                   self.background, self.prefetched, self.beside_backward))
 
     def all_gather(self, what: str, m: int, group: str = "world", weight: float = 1.0) -> None:
         self.add(what, group, m, self._ring_node(group, m), self._size(group) - 1, weight)
@@ -405,12 +410,15 @@ def _quantized_all_gather(book: _Book, what: str, s: int, bits: int, gs: int, gr
 
 
 def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
-            grad_bytes: int = 4) -> Traffic:
-    """Every collective call of one step of ``mode`` (see [Note: the cost model]).
+            grad_bytes: int = 4, micro_steps: int = 1) -> Traffic:
+    """Every collective call of one optimizer step of ``mode`` (see [Note: the cost model]).
     ``grad_bytes``: zpp reduces gradients in fp32 (4); 2 models a library that reduces them
-    in the parameters' 16-bit type (DeepSpeed's default), for comparisons."""
+    in the parameters' 16-bit type (DeepSpeed's default), for comparisons. ``micro_steps``:
+    backward passes per optimizer step (gradient accumulation): stage 3 gathers and stages
+    2-3 reduce at each, stages 0-1 reduce once (their gradients accumulate in ``.grad``)."""
+    check_int("traffic", "micro_steps", micro_steps, lo=1)
     if mode.outer is not None:
-        return _outer_traffic(mode, units, cluster, param_bytes)
+        return _outer_traffic(mode, units, cluster, param_bytes, micro_steps)
     book = _Book(cluster)
     W = book.W
     if W == 1:
@@ -429,22 +437,32 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
         return Traffic(tuple(book.calls))
     hier = mode.two_hop_gathers
     beside = mode.reductions_beside_backward
+    each_micro = micro_steps if mode.stage >= 2 else 1  # [Note: stage 1 bytes] in zpp/zero/unit.py
     for k, u in enumerate(units):
         s = u.shard(W)
         p = s * W
         # the backward reduces the units in reverse: the first unit's reduction is the last, in line
         book.beside_backward = beside and k > 0
+        book.repeat = each_micro
         if mode.stage == 3 and not u.persistent:
             for i, phase in enumerate(u.gathers):
                 what = f"{phase} gather"
                 book.prefetched = mode.prefetch and phase == "forward"
                 book.beside_backward = beside and mode.prefetch and phase != "forward"
-                if mode.hpz and book.R > 1 and i > 0:  # from the node's secondary shards
-                    book.all_gather(what, param_bytes * p // book.R, "intra")
-                elif phase == "forward" and mode.weight_bits is not None:
+                # hpZ: only a step's first gather crosses the world; every later one, of this
+                # and the next micro-steps, reads the node's secondary shards
+                world = each_micro
+                if mode.hpz and book.R > 1:
+                    world = 1 if i == 0 else 0
+                    if each_micro > world:
+                        book.repeat = each_micro - world
+                        book.all_gather(what, param_bytes * p // book.R, "intra")
+                book.repeat = world
+                if world and phase == "forward" and mode.weight_bits is not None:
                     _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size, hier=hier)
-                else:
+                elif world:
                     _world_gather(book, what, param_bytes * s, hier)
+                book.repeat = each_micro
             book.prefetched = False
             book.beside_backward = beside and k > 0  # the gathers above set it per phase
             if mode.gradient_bits is not None:
@@ -457,20 +475,23 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
             else:
                 book.reduce_scatter("gradient reduce-scatter", grad_bytes * p)
             book.beside_backward = False  # the publish, in the step
+            book.repeat = 1
             _world_gather(book, "weight all-gather", param_bytes * s, hier)
         else:
             book.all_reduce("gradient all-reduce", grad_bytes * u.numel)
     book.beside_backward = False
+    book.repeat = 1
     if mode.stage >= 1:
         book.all_reduce("gradient norm", 8)
     return Traffic(tuple(book.calls))
 
 
-def _outer_traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, param_bytes: int) -> Traffic:
+def _outer_traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, param_bytes: int,
+                   micro_steps: int = 1) -> Traffic:
     assert mode.outer is not None
     R, N = cluster.ranks_per_node, cluster.nodes
     inner = traffic(dataclasses.replace(mode, outer=None), units,
-                    Cluster(1, R, cluster.intra, cluster.inter), param_bytes=param_bytes)
+                    Cluster(1, R, cluster.intra, cluster.inter), param_bytes=param_bytes, micro_steps=micro_steps)
     book = _Book(cluster)
     if N > 1:
         psi = sum(u.numel for u in units)
@@ -562,6 +583,20 @@ def step_time(t: Traffic, cluster: Cluster, profile: Profile) -> tuple[float, fl
     fwd = profile.compute_s * FORWARD_SHARE
     step = max(fwd, ahead) + max(profile.compute_s - fwd, behind) + sync * (1.0 - profile.overlap)
     return step + max(0.0, bg - step), sync + ahead + behind + bg
+
+
+def outer_times(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, profile: Profile, *,
+                param_bytes: int = 4, micro_steps: int = 1) -> tuple[float, float]:
+    """(inner step seconds, seconds of one fragment's sync) of the hierarchical ``mode``: the
+    step without the outer sync, and the sync's calls for one fragment on ``cluster``'s links
+    (what :func:`zpp.tune.outer.period` turns into ``delay`` and H)."""
+    if mode.outer is None:
+        raise ValueError(f"outer_times: mode {mode.name!r} has no outer sync")
+    every = dataclasses.replace(mode, outer=dataclasses.replace(mode.outer, sync_every=1, delay=1))
+    t = traffic(every, units, cluster, param_bytes=param_bytes, micro_steps=micro_steps)
+    inner = Traffic(tuple(c for c in t.calls if not c.background))
+    sync = sum(call_time(c, cluster) for c in t.calls if c.background) / mode.outer.fragments
+    return step_time(inner, cluster, profile)[0], sync
 
 
 def compute_from_step(step_s: float, t: Traffic, cluster: Cluster) -> float:
@@ -680,13 +715,14 @@ class Prediction:
 
 
 def predict(modes: Iterable[Mode], *, units: Sequence[UnitShape], cluster: Cluster, profile: Profile
-            | Mapping[str, Profile], param_bytes: int = 4) -> list[Prediction]:
-    """One :class:`Prediction` per mode; ``profile`` may differ per mode (a measured profile
-    includes each mode's own quantization work)."""
+            | Mapping[str, Profile], param_bytes: int = 4, micro_steps: int = 1) -> list[Prediction]:
+    """One :class:`Prediction` per mode and optimizer step of ``micro_steps`` backward passes;
+    ``profile`` may differ per mode (a measured profile includes each mode's own quantization
+    work)."""
     out = []
     for m in modes:
         prof = profile[m.name] if isinstance(profile, Mapping) else profile
-        t = traffic(m, units, cluster, param_bytes=param_bytes)
+        t = traffic(m, units, cluster, param_bytes=param_bytes, micro_steps=micro_steps)
         step, comm = step_time(t, cluster, prof)
         mem = memory(m, units, cluster, param_bytes=param_bytes)
         out.append(Prediction(m.name, step, comm, t.inter_bytes, t.intra_bytes, t.node_link_bytes,
