@@ -41,7 +41,7 @@ from zpp.tune.cost import all_reduce_link_bytes
 from zpp.zero.checks import check_int, check_number
 from zpp.zero.outer_config import OUTER_COMPRESSIONS
 
-__all__ = ["OuterAdvice", "OuterOption", "advise", "format_advice", "sync_seconds"]
+__all__ = ["OuterAdvice", "OuterOption", "advise", "format_advice", "period", "sync_seconds"]
 
 HEADROOM = 1.25
 """Margin on the measured sync time (see [Note: choosing zpp.outer])."""
@@ -107,6 +107,17 @@ def sync_seconds(points: Sequence[tuple[int, float]], nbytes: int) -> tuple[floa
     return (tb + slope * (nbytes - b)) * 1e-6, True
 
 
+def period(step_s: float, sync_s: float, fragments: int, *, min_sync_every: int = 1) -> tuple[int, int]:
+    """``(delay, sync_every)`` for inner steps of ``step_s`` seconds and syncs of ``sync_s``
+    per fragment (see [Note: choosing zpp.outer]); H at least ``min_sync_every``."""
+    check_number("period", "step_s", step_s, lo=0, lo_open=True)
+    check_number("period", "sync_s", sync_s, lo=0)
+    check_int("period", "fragments", fragments, lo=1)
+    check_int("period", "min_sync_every", min_sync_every, lo=1)
+    delay = max(1, math.ceil(HEADROOM * sync_s / step_s))
+    return delay, max(math.ceil(HEADROOM * fragments * sync_s / step_s), delay + 1, min_sync_every)
+
+
 def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fragments: int = 4,
            max_sync_every: int = 100, allow_1bit: bool = False, nodes: int | None = None,
            ranks_per_node: int | None = None) -> OuterAdvice:
@@ -137,8 +148,7 @@ def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fra
             numel = -(-nbytes // 4)
             sync_s *= (all_reduce_link_bytes(compression, numel, nodes, ranks_per_node, across_nodes=True)
                        / all_reduce_link_bytes(compression, numel, nodes, ranks_per_node, across_nodes=False))
-        delay = math.ceil(HEADROOM * sync_s / step_s)
-        every = max(math.ceil(HEADROOM * fragments * sync_s / step_s), delay + 1)
+        delay, every = period(step_s, sync_s, fragments)
         options.append(OuterOption(compression, backend, sync_s, delay, every,
                                    fragments * sync_s / (every * step_s), extrapolated))
     if not options:
