@@ -189,6 +189,17 @@ def test_choose_gives_a_tie_to_the_zero_mode():
         assert ("zpp" in rep["winner_sections"]) == wins
 
 
+def test_choose_takes_the_compute_from_the_profiles_link_waits():
+    # the profile's mean step (3 x 12 s) less the 11.5 s a step its ranks waited on the link:
+    # 0.5 s of compute, not what the time rule's inversion of a link-bound step would leave
+    prof = {**_profile(12.0), "link_wait_s": 11.5, "link_waits": {"reduce": 11.5}}
+    runner = _FakeJob({"zero2": 2.0, "zero3": 3.0}, {"zero2": lambda k: 3.0, "zero3": lambda k: 3.0})
+    rep = job.choose(prof, ["zero2", "zero3"], runner, confirm=2, memory_gb=None)
+    assert rep["compute_s"] == pytest.approx(0.5) and rep["compute_source"] == "step less its link waits"
+    rep = job.choose(_profile(12.0), ["zero2", "zero3"], runner, confirm=2, memory_gb=None)
+    assert rep["compute_source"] == "the cost model's step inverted" and rep["compute_s"] > 5
+
+
 def test_choose_skips_the_race_on_one_node():
     prof = {**_profile(3.0), "world": 2, "nodes": 1, "probe_world_s": 0.0}
     runner = _FakeJob({"zero2": 2.0, "zero3": 3.0}, {"zero2": lambda k: 3.0 - 0.01 * k})
@@ -447,6 +458,9 @@ def test_trial_counts_optimizer_steps_and_their_losses(tmp_path, backward):
     assert len(mine) == 5 and len(m["loss_curve"]) == 6  # the job's own record ends before the 6th step's end
     assert m["loss_curve"][:5] == pytest.approx(mine, rel=1e-6)
     assert m["outer_syncs"] is None and m["world"] == 1
+    # one rank: nothing to wait for on a link, and every phase reported
+    assert set(m["link_waits"]) == {"forward_gather", "backward_gather", "exact_gather", "reduce", "publish"}
+    assert m["link_wait_s"] == pytest.approx(sum(m["link_waits"].values())) and m["link_wait_s"] >= 0
 
 
 def test_trial_without_engine_backward_has_no_losses(tmp_path):

@@ -16,11 +16,15 @@ job's config written with the winner's sections.
 2. *Links*: from the probes, with the cost model's node-link rule: the link between nodes
    carries ``(W - 1) x 1 MiB`` per node in the world probe, a node's link inside ``(R - 1) x
    1 MiB`` per rank; bandwidth = bytes / time (latency taken as 50 us).
-3. *Compute*: the profiled step solved for the compute under the model's time rule
-   (:func:`zpp.tune.cost.compute_from_step`: the forward's gathers under a third of it, the
-   rest in line); the same compute for every candidate (its quantization and the optimizer's share
-   are left to the confirming runs). Memory beside the model states: the profile's peak
-   RSS less the model's ZeRO-3 state peak.
+3. *Compute*: the profiled mean step less the seconds its training thread waited on the
+   link (the trial's ``link_wait_s``, the ranks' mean): what the step spends when no byte
+   is waited for. (Solving the step for the compute under the model's time rule,
+   :func:`zpp.tune.cost.compute_from_step`, which a profile without waits still uses, made
+   the compute the small remainder of a link-bound step: 0.03-0.78 s against 0.11 s on the
+   0.8M GPT at 10 Mbit, perf/BENCHMARKS.md "The loss race".) The same compute for every
+   candidate (its quantization and the optimizer's share are left to the confirming runs).
+   Memory beside the model states: the profile's peak RSS less the model's ZeRO-3 state
+   peak.
 4. *Predict* every candidate (ZeRO stages 1-3 and the ZeRO++ switches) and drop those over
    ``--memory-gb``.
 5. *Confirm* the ``tuner_num_trials`` (default 3) fastest predicted by running each as in 1;
@@ -353,7 +357,12 @@ def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memo
     units = _units(prof)
     micro = max(1, round(prof.get("micro_steps", 1)))  # backward passes per optimizer step
     z3 = cost.MODES[PROFILE_MODE]
-    compute = cost.compute_from_step(prof["step_s"], cost.traffic(z3, units, cluster, micro_steps=micro), cluster)
+    if prof.get("link_wait_s") is not None:  # measured: the step less its waits on the link
+        compute, source = max(0.0, mean_step_s(prof) - prof["link_wait_s"]), "step less its link waits"
+    else:  # a profile without waits: the cost model's step inverted
+        compute = cost.compute_from_step(prof["step_s"], cost.traffic(z3, units, cluster, micro_steps=micro),
+                                         cluster)
+        source = "the cost model's step inverted"
     other = int(prof["peak_rss_bytes"] - cost.memory(z3, units, cluster)["peak"])
     profile = cost.Profile(compute, other)
     rows: dict[str, dict[str, Any]] = {}
@@ -411,7 +420,7 @@ def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memo
                        else f" (a tie: {fastest['mode']} is not {WIN_MARGIN:g}x sooner)"))
     return {"winner": winner["mode"], "winner_sections": modes[winner["mode"]].config(prof["ranks_per_node"]),
             "why": why, "links": {"intra_Bps": intra.bandwidth, "inter_Bps": inter.bandwidth},
-            "compute_s": compute, "other_bytes": other, "nodes": prof["nodes"], "micro_steps": micro,
+            "compute_s": compute, "compute_source": source, "other_bytes": other, "nodes": prof["nodes"], "micro_steps": micro,
             "ranks_per_node": prof["ranks_per_node"], "profile": prof, "race": race,
             "candidates": list(rows.values())}
 

@@ -30,7 +30,9 @@ stay out of the window), and the syncs started in the timed steps are finished a
 all-gather over the world and one inside the node (1 MiB per rank each; the cost model
 turns their times into bandwidths), rank 0 writes the metrics to ``out`` (step times, wire
 counters, node-link bytes of the kernel where the emulated cluster runs, units and gather
-trace, model-state bytes, the ranks' largest peak RSS, the loss curve), the engine closes and the process
+trace, model-state bytes, the ranks' largest peak RSS, the loss curve, and the seconds per
+step the training thread waited on the link, per phase of :meth:`ZeroEngine.link_waits`,
+averaged over the ranks), the engine closes and the process
 exits with status 0. Everything is over the job's world (``engine.job_world``): in the
 hierarchical mode ``engine.world`` is the node. Nothing else of the job changes: its data, model, micro-batch and
 optimizer are its own.
@@ -146,6 +148,7 @@ class _Timer:
             now = time.perf_counter()
             self.engine.job_world.counters.reset()
             self.link0 = read_link()
+            self.engine.link_waits()  # the waits so far: not the window's
             self.syncs0 = self.engine.outer.stats.started if self.engine.outer is not None else 0
             self.micro = 0
         elif self.count > self.start:
@@ -165,6 +168,7 @@ class _Timer:
     def finish(self) -> None:
         from zpp.cluster.linkstats import read_link
         from zpp.comm.topology import topology_of
+        from zpp.zero.reduce.overlap import LinkWaits
 
         e, w = self.engine, self.engine.job_world
         n = max(1, len(self.times))
@@ -173,6 +177,11 @@ class _Timer:
             e.outer.wait()
             syncs = e.outer.stats.started - self.syncs0
         total = w.counters.total()
+        waits = e.link_waits()  # this rank's training thread, blocked on the link in the window
+        phases = LinkWaits.PHASES
+        mine = torch.tensor([sum(waits.values()), *(waits.get(k, 0.0) for k in phases)], dtype=torch.float64) / n
+        w.all_reduce(mine, "sum")
+        mine /= w.world_size
         link = read_link()
         eth_per_step = (link - self.link0).tx_bytes / n if link is not None and self.link0 is not None else None
         topo = topology_of(w)
@@ -199,6 +208,8 @@ class _Timer:
             "gather_trace": [[i, phase.value] for i, phase in trace],
             "model_state_bytes": sum(e.model_state_bytes().values()), "peak_rss_bytes": float(peak[0]),
             "probe_bytes": LINK_PROBE_BYTES, "probe_world_s": t_world, "probe_intra_s": t_intra,
+            # seconds per timed step the training thread waited on communication, the ranks' mean
+            "link_wait_s": float(mine[0]), "link_waits": {k: float(v) for k, v in zip(phases, mine[1:].tolist())},
             "loss_curve": [None if math.isnan(x) else x for x in losses.tolist()],  # inf stays: a diverged run
         }
         if w.rank == 0:

@@ -87,10 +87,15 @@ class LinkWaits:
     ``(name, start, end, thread name)`` there in ``time.perf_counter`` seconds (the profiler
     does not see the reduction thread, which predates it): ``perf/train_bench.py --trace``."""
 
+    PHASES = ("forward_gather", "backward_gather", "exact_gather", "reduce", "publish")
+    """Every phase a wait is booked under (a gather's is its :class:`~zpp.zero.comm_api.Phase`'s)."""
+
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     spans: list[tuple[str, float, float, str]] | None = None
 
     def add(self, phase: str, s: float) -> None:
+        if phase not in self.PHASES:
+            raise ValueError(f"LinkWaits.add: phase={phase!r} is not one of {self.PHASES}")
         self.seconds[phase] += s
 
     @contextlib.contextmanager
