@@ -459,7 +459,7 @@ def test_trial_counts_optimizer_steps_and_their_losses(tmp_path, backward):
     assert m["loss_curve"][:5] == pytest.approx(mine, rel=1e-6)
     assert m["outer_syncs"] is None and m["world"] == 1
     # one rank: nothing to wait for on a link, and every phase reported
-    assert set(m["link_waits"]) == {"forward_gather", "backward_gather", "exact_gather", "reduce", "publish"}
+    assert set(m["link_waits"]) == {"forward_gather", "backward_gather", "exact_gather", "reduce", "norm", "publish"}
     assert m["link_wait_s"] == pytest.approx(sum(m["link_waits"].values())) and m["link_wait_s"] >= 0
 
 

@@ -343,7 +343,8 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
             m.after_reduce(trained)
         clip, scale = self.train_config.gradient_clipping, self._grad_scale()
         check = check_grads(trained, world=self.world, clip=clip, sharded=self.comms.degree > 1,
-                            local=not self.comms.reduce.averages, scale=scale)
+                            local=not self.comms.reduce.averages, scale=scale,
+                            waiting=lambda: self.comms.waits.waiting("norm", "gradient norm"))
         if not check.finite:
             self._skip_step(trained)
             return
@@ -393,7 +394,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
 
     def link_waits(self) -> dict[str, float]:
         """Seconds this rank's training thread waited on communication since the last call,
-        per phase (``forward_gather``, ``backward_gather``, ``exact_gather``, ``reduce``,
+        per phase (``forward_gather``, ``backward_gather``, ``exact_gather``, ``reduce``, ``norm``,
         ``publish``); see :class:`~zpp.zero.reduce.overlap.LinkWaits`."""
         return self.comms.waits.take()
 

@@ -37,8 +37,9 @@ is None.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -65,12 +66,15 @@ class GradCheck(NamedTuple):
 
 
 def check_grads(units: Sequence[Unit], *, world: Transport, clip: float, sharded: bool,
-                local: bool, scale: float = 1.0) -> GradCheck:
+                local: bool, scale: float = 1.0,
+                waiting: Callable[[], contextlib.AbstractContextManager] | None = None) -> GradCheck:
     """The global gradient norm of ``units`` and whether it is finite on every rank; see
     [Note: the non-finite check rides on the norm]. ``sharded``: each rank holds a range
     of the averaged gradient; ``local``: each rank holds its own unaveraged gradient
     (1-bit optimizers); ``scale``: the fp16 loss scale in the gradients. Collective where
-    the gradient is sharded or local."""
+    the gradient is sharded or local; ``waiting()`` wraps that collective (the engine books
+    it as a wait on the link: it waits for the slowest rank's reductions too)."""
+    waiting = waiting or contextlib.nullcontext
     # on the gradients' device (NCCL all-reduces device tensors only)
     device = next((u.flat.grad.device for u in units if u.flat.grad is not None), torch.device("cpu"))
     if local and not clip:
@@ -82,18 +86,22 @@ def check_grads(units: Sequence[Unit], *, world: Transport, clip: float, sharded
             mine = bool(found[0] > 0)
         else:
             mine = any(has_nonfinite(g) for g in grads)
-        return GradCheck(finite=not any_rank_nonfinite(world, mine, device), norm=None, unscaled=fused)
+        with waiting():
+            finite = not any_rank_nonfinite(world, mine, device)
+        return GradCheck(finite=finite, norm=None, unscaled=fused)
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for u in units:
         sq += u.grad_norm_sq().to(device)
     if local:  # rms of the local norms
         t = sq.reshape(1).clone()
         if world.world_size > 1:
-            world.all_reduce(t, "sum")
+            with waiting():
+                world.all_reduce(t, "sum")
         sq = t[0] / world.world_size
     elif sharded:
         t = sq.reshape(1).clone()
-        world.all_reduce(t, "sum")
+        with waiting():
+            world.all_reduce(t, "sum")
         sq = t[0]
     norm = float(sq.sqrt())
     return GradCheck(finite=math.isfinite(norm), norm=norm)

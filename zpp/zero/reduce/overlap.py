@@ -77,7 +77,8 @@ class LinkWaits:
     """Seconds the training thread spent blocked on communication, per phase, since the last
     :meth:`take`: ``forward_gather`` / ``backward_gather`` (waiting for a unit's weights),
     ``reduce`` (waiting for gradient reductions: the whole reduction when it runs at once,
-    the rest of it when overlapped), ``publish`` (stages 1-2: the updated weights' gather).
+    the rest of it when overlapped), ``norm`` (the gradient norm's all-reduce, which waits for
+    the slowest rank), ``publish`` (stages 1-2: the updated weights' gather).
     The bench prints them per step (``perf/train_cluster.py``).
 
     Each wait is also a span named ``zpp.wait.<phase> <what>``, as are the engine's
@@ -87,7 +88,7 @@ class LinkWaits:
     ``(name, start, end, thread name)`` there in ``time.perf_counter`` seconds (the profiler
     does not see the reduction thread, which predates it): ``perf/train_bench.py --trace``."""
 
-    PHASES = ("forward_gather", "backward_gather", "exact_gather", "reduce", "publish")
+    PHASES = ("forward_gather", "backward_gather", "exact_gather", "reduce", "norm", "publish")
     """Every phase a wait is booked under (a gather's is its :class:`~zpp.zero.comm_api.Phase`'s)."""
 
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
