@@ -260,15 +260,20 @@ def test_loss_candidates_need_loss_steps(tmp_path):
     assert r.returncode == 2 and "needs a ZeRO mode to race against" in r.stderr
 
 
+def _job(tmp_path, zero: dict, autotuning: dict) -> tuple[Path, Path]:
+    """SCRIPT as the job's train.py and its DeepSpeed config (AdamW, micro-batch 2)."""
+    script, ds = tmp_path / "train.py", tmp_path / "ds.json"
+    script.write_text(SCRIPT.format(root=str(ROOT)))
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {
+        "lr": 1e-3}}, "zero_optimization": zero, "autotuning": autotuning}))
+    return script, ds
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tune_job_end_to_end(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(root=str(ROOT)))
-    ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {
-        "lr": 1e-3}}, "zero_optimization": {"stage": 1, "stage3_param_persistence_threshold": 0},
-        "autotuning": {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "tuner_num_trials": 2}}))
+    script, ds = _job(tmp_path, {"stage": 1, "stage3_param_persistence_threshold": 0},
+                      {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "tuner_num_trials": 2})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "zpp", "tune", "--job", "--config", str(ds), "--candidates",
            "zero2,zero3,zero3-zeropp", "--job-timeout", "240", "--",
@@ -315,12 +320,7 @@ def test_job_needs_a_command(tmp_path):
 def test_tune_job_loss_race_end_to_end(tmp_path):
     # the same job, raced: the reference (the fastest ZeRO mode) for 30 steps, then the
     # hierarchical mode; every loss in the report is the mean of the ranks' own losses
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(root=str(ROOT)))
-    ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {
-        "lr": 1e-3}}, "zero_optimization": {"stage": 2},
-        "autotuning": {"start_profile_step": 2, "end_profile_step": 4, "tuner_num_trials": 1}}))
+    script, ds = _job(tmp_path, {"stage": 2}, {"start_profile_step": 2, "end_profile_step": 4, "tuner_num_trials": 1})
     logs = tmp_path / "losses"
     logs.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
