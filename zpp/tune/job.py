@@ -416,11 +416,13 @@ def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memo
             why += (f"; to {best['mode']}'s loss after {loss_steps} steps ({race['target_loss']:.4f}, mean of "
                     f"{race['window']}): {best['mode']} {best['time_to_target_s']:.1f} s, " + ", ".join(lost)
                     + f": {winner['mode']} wins"
-                    + ("" if winner is not best or fastest is None or fastest["time_to_target_s"] > best["time_to_target_s"]
+                    + ("" if winner is not best or fastest is None
+                       or fastest["time_to_target_s"] > best["time_to_target_s"]
                        else f" (a tie: {fastest['mode']} is not {WIN_MARGIN:g}x sooner)"))
     return {"winner": winner["mode"], "winner_sections": modes[winner["mode"]].config(prof["ranks_per_node"]),
             "why": why, "links": {"intra_Bps": intra.bandwidth, "inter_Bps": inter.bandwidth},
-            "compute_s": compute, "compute_source": source, "other_bytes": other, "nodes": prof["nodes"], "micro_steps": micro,
+            "compute_s": compute, "compute_source": source, "other_bytes": other, "nodes": prof["nodes"],
+            "micro_steps": micro,
             "ranks_per_node": prof["ranks_per_node"], "profile": prof, "race": race,
             "candidates": list(rows.values())}
 

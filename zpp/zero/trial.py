@@ -9,33 +9,32 @@ candidate mode, timed for a few steps; the script is stopped after them.
 path}`` (and for a race against a time, ``"budget_s": T, "max_end": M``: after
 ``DECIDE_AFTER`` timed steps every rank takes the slowest rank's mean step ``t`` and the
 trial ends at step ``min(M, max(E, k, ceil(T / t)))``, ``k`` the step reached, the same on
-every rank).
-:func:`zpp.initialize` then (:func:`apply`) merges the overrides into the job's
+every rank). :func:`zpp.initialize` then (:func:`apply`) merges the overrides into the job's
 DeepSpeed config (the switches that make a mode are the candidate's alone, so none of the
-job's survives into another mode; its buckets, thresholds and offload stay), and :func:`attach` wraps ``engine.step``:
-steps ``1..S`` are untimed, ``S+1..E`` are timed from one step's end to the next (the
-whole iteration: forward, backward, step), and ``engine.backward``: the loss of every step,
-the sum of the shares its backward passes returned (``loss / gradient_accumulation_steps``
-each, or the loss as given with ``scale_wrt_gas=False``, the Hugging Face Trainer's way of
-passing a loss it divided itself): the mean over the step's micro-batches either way, read
-off the device at the end and averaged over the world, so every node's replica counts in
-the hierarchical mode. A step is an
-optimizer step: a ``step()`` call off the accumulation boundary (a micro-step of gradient
-accumulation, however the front-end sets the boundary) only counts its backward pass
-(``micro_steps``: backward passes per timed step; the job's ``gradient_accumulation_steps``
-where none went through ``engine.backward``, with ``backward_seen`` false). In the
-hierarchical mode the syncs in flight when the timing starts are finished first (their bytes
-stay out of the window), and the syncs started in the timed steps are finished and counted
-(``outer_syncs``): a window holds whole fragment syncs, not a whole number of periods. Then every rank measures the links with one
-all-gather over the world and one inside the node (1 MiB per rank each; the cost model
-turns their times into bandwidths), rank 0 writes the metrics to ``out`` (step times, wire
-counters, node-link bytes of the kernel where the emulated cluster runs, units and gather
-trace, model-state bytes, the ranks' largest peak RSS, the loss curve, and the seconds per
-step the training thread waited on the link, per phase of :meth:`ZeroEngine.link_waits`,
-averaged over the ranks), the engine closes and the process
-exits with status 0. Everything is over the job's world (``engine.job_world``): in the
-hierarchical mode ``engine.world`` is the node. Nothing else of the job changes: its data, model, micro-batch and
-optimizer are its own.
+job's survives into another mode; its buckets, thresholds and offload stay), and
+:func:`attach` wraps ``engine.step``: steps ``1..S`` are untimed, ``S+1..E`` are timed from
+one step's end to the next (the whole iteration: forward, backward, step), and
+``engine.backward``: the loss of every step, the sum of the shares its backward passes
+returned (``loss / gradient_accumulation_steps`` each, or the loss as given with
+``scale_wrt_gas=False``, the Hugging Face Trainer's way of passing a loss it divided
+itself): the mean over the step's micro-batches either way, read off the device at the end
+and averaged over the world, so every node's replica counts in the hierarchical mode. A step
+is an optimizer step: a ``step()`` call off the accumulation boundary (a micro-step of
+gradient accumulation, however the front-end sets the boundary) only counts its backward
+pass (``micro_steps``: backward passes per timed step; the job's
+``gradient_accumulation_steps`` where none went through ``engine.backward``, with
+``backward_seen`` false). In the hierarchical mode the syncs in flight when the timing
+starts are finished first (their bytes stay out of the window), and the syncs started in the
+timed steps are finished and counted (``outer_syncs``): a window holds whole fragment syncs,
+not a whole number of periods. Then every rank measures the links with one all-gather over
+the world and one inside the node (1 MiB per rank each; the cost model turns their times
+into bandwidths), rank 0 writes the metrics to ``out`` (step times, wire counters, node-link
+bytes of the kernel where the emulated cluster runs, units and gather trace, model-state
+bytes, the ranks' largest peak RSS, the loss curve, and the seconds per step the training
+thread waited on the link, per phase of :meth:`ZeroEngine.link_waits`, averaged over the
+ranks), the engine closes and the process exits with status 0. Everything is over the job's
+world (``engine.job_world``): in the hierarchical mode ``engine.world`` is the node. Nothing
+else of the job changes: its data, model, micro-batch and optimizer are its own.
 """
 from __future__ import annotations
 
@@ -53,7 +52,8 @@ import torch
 if TYPE_CHECKING:
     from zpp.zero.engine import ZeroEngine
 
-__all__ = ["DECIDE_AFTER", "LINK_PROBE_BYTES", "MODE_KEYS", "TRIAL_ENV", "active", "apply", "attach", "probe_all_gather"]
+__all__ = ["DECIDE_AFTER", "LINK_PROBE_BYTES", "MODE_KEYS", "TRIAL_ENV", "active", "apply", "attach",
+           "probe_all_gather"]
 
 TRIAL_ENV = "ZPP_TUNE_TRIAL"
 DECIDE_AFTER = 5
