@@ -28,14 +28,17 @@ SCRIPT = textwrap.dedent("""
     p.add_argument("--deepspeed_config")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--loss-log", default=None)
+    p.add_argument("--mbs", type=int, default=2)
     args = p.parse_args()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=32))
     engine, *_ = zpp.initialize(args=args, model=model, model_parameters=model.parameters())
+    # the micro-batch the script uses is the config's (zpp tune sets both)
+    assert args.mbs == engine.train_micro_batch_size_per_gpu(), (args.mbs, engine.train_micro_batch_size_per_gpu())
     data = CharCorpus(max_bytes=200_000)
     g = torch.Generator().manual_seed(engine.world.rank)
     for _ in range(args.steps):
-        x, y = data.batch(2, 32, g)
+        x, y = data.batch(args.mbs, 32, g)
         loss = engine(x, y)
         if args.loss_log:  # this rank's loss per step, one file per run of zpp tune
             import os
@@ -119,7 +122,7 @@ class _FakeJob:
     def __init__(self, step_s: dict, curves: dict, first_s: dict | None = None):
         self.step_s, self.curves, self.first_s, self.calls = step_s, curves, first_s or {}, []
 
-    def __call__(self, mode, *, end=4, tag="", budget=None):
+    def __call__(self, mode, *, end=4, tag="", budget=None, micro_batch=None):
         self.calls.append((mode, end, tag, budget))
         s = self.step_s[mode.name]
         first = self.first_s.get(mode.name, s)
@@ -304,6 +307,56 @@ def test_tune_job_end_to_end(tmp_path):
                          env={**env, "ZPP_RANKS_PER_NODE": "2"}, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"DONE stage {want['stage']}" in run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tune_job_searches_the_micro_batch_through_arg_mappings(tmp_path):
+    # DeepSpeed's autotuning keys: the script's --mbs carries train_micro_batch_size_per_gpu; the
+    # winner runs at 2 (the job's), 4 and 8 (max 8); the script checks that its argument and the
+    # engine's config agree at every size, and the tuned config runs with the chosen one
+    script, ds = _job(tmp_path, {"stage": 2}, {
+        "start_profile_step": 2, "end_profile_step": 4, "tuner_num_trials": 1,
+        "arg_mappings": {"train_micro_batch_size_per_gpu": "--mbs"}, "max_train_micro_batch_size_per_gpu": 8})
+    cfg = json.loads(ds.read_text())
+    ds.write_text(json.dumps({**cfg, "train_batch_size": 8}))  # 2 x 1 x 4 ranks: it must follow the micro-batch
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "zpp", "tune", "--job", "--config", str(ds), "--candidates", "zero2,zero3",
+           "--job-timeout", "240", "--", sys.executable, str(script), "--deepspeed_config", str(ds), "--mbs", "2"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=560)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((tmp_path / job.DEFAULT_REPORT).read_text())
+    m = rep["micro_batch"]
+    assert [t["micro_batch"] for t in m["tried"]] == [2, 4, 8] and m["argument"] == "--mbs"
+    assert m["job_micro_batch"] == 2 and m["chosen"] == max(m["tried"], key=lambda t: t["throughput"])["micro_batch"]
+    for t in m["tried"]:  # samples per second: micro-batch x 1 backward pass x 4 ranks / mean step
+        assert t["throughput"] == pytest.approx(t["micro_batch"] * 4 / t["step_s"], rel=0.5)
+    tuned = json.loads((tmp_path / job.DEFAULT_OUT).read_text())
+    assert tuned["train_micro_batch_size_per_gpu"] == m["chosen"] and tuned["train_batch_size"] == 4 * m["chosen"]
+    if m["chosen"] != 2:
+        assert f"# run the job with --mbs {m['chosen']}" in r.stdout
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
+                          f"--master-port={free_port()}", str(script), "--deepspeed_config",
+                          str(tmp_path / job.DEFAULT_OUT), "--steps", "3", "--mbs", str(m["chosen"])], cwd=tmp_path,
+                         env={**env, "ZPP_RANKS_PER_NODE": "2"}, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "DONE stage" in run.stdout
+
+
+def test_micro_batch_search_is_skipped_without_a_mapping():
+    runner = _FakeJob({"zero2": 2.0}, {"zero2": lambda k: 3.0})
+    rep = {"winner": "zero2", "winner_sections": {"zero_optimization": {"stage": 2}}}
+    out = job._micro_batch(runner, rep, {"micro_batch": 2, "world": 4}, {}, None, memory_gb=None)
+    assert "no autotuning.arg_mappings" in out["skipped"] and runner.calls == []
+    s = job.from_autotuning({"arg_mappings": {"train_micro_batch_size_per_gpu": "--mbs"}})
+    out = job._micro_batch(runner, rep, {"micro_batch": "auto", "world": 4}, {}, s, memory_gb=None)
+    assert "not known" in out["skipped"]
+    # the config keys: a number replaced, "auto" kept for the front-end, train_batch_size following
+    prof = {"micro_steps": 2.0, "world": 4}
+    assert job._micro_batch_keys({"train_micro_batch_size_per_gpu": 2}, prof, 8) == {
+        "train_micro_batch_size_per_gpu": 8}
+    assert job._micro_batch_keys({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 16}, prof, 8) == {
+        "train_batch_size": 64}
 
 
 def test_job_needs_a_command(tmp_path):

@@ -33,6 +33,9 @@ job's config written with the winner's sections.
    or empty) with the winner's sections, ready to run unchanged. Each run's output goes to
    the report (``logs``), not to the terminal; a failed run's last lines are printed.
 6. *Race to a loss* (``--loss-steps N``, on several nodes; see [Note: the loss race]).
+7. *Micro-batch* (with ``autotuning.arg_mappings`` for ``train_micro_batch_size_per_gpu``; see
+   [Note: the micro-batch search] in zpp/tune/microbatch.py): the winner at larger
+   micro-batches, the highest throughput kept.
 
 [Note: the loss race]
 The ZeRO stages and ZeRO++ take the user's optimizer step on the averaged gradient, so a
@@ -81,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from zpp.bench.launch import free_port
+from zpp.tune.microbatch import KEY, MicroBatchSearch, from_autotuning, search, with_argument
 
 # torch-free at import (``zpp --help``): the cost model and the trial are imported where used
 
@@ -147,17 +151,26 @@ class _Runner:
         self.logs: dict[str, str] = {}
 
     def __call__(self, mode: cost.Mode, *, end: int | None = None, tag: str = "",
-                 budget: tuple[float, int] | None = None) -> dict[str, Any]:
+                 budget: tuple[float, int] | None = None, micro_batch: tuple[MicroBatchSearch, int, dict] | None = None
+                 ) -> dict[str, Any]:
         """Run the job as ``mode`` to its step ``end`` (default: the profile's end step); with
         ``budget = (seconds, max_end)`` to the step where its measured steps fill the seconds,
-        between ``end`` and ``max_end`` (see [Note: tune trials] in zpp/zero/trial.py)."""
+        between ``end`` and ``max_end`` (see [Note: tune trials] in zpp/zero/trial.py); with
+        ``micro_batch = (search, size, config keys)`` at that micro-batch: the search's
+        argument set in the command, the keys in the config ([Note: the micro-batch search])."""
         from zpp.zero.trial import TRIAL_ENV
 
         end = self.end if end is None else end
         name = mode.name + tag
         trial = self.tmp / f"{name}.trial.json"
         out = self.tmp / f"{name}.metrics.json"
-        spec: dict[str, Any] = {"overrides": mode.config(self.rpn), "start": self.start, "end": end, "out": str(out)}
+        overrides = mode.config(self.rpn)
+        command = self.command
+        if micro_batch is not None:
+            search, size, keys = micro_batch
+            overrides.update(keys)
+            command = with_argument(command, search.argument, size)
+        spec: dict[str, Any] = {"overrides": overrides, "start": self.start, "end": end, "out": str(out)}
         steps = f"{end} steps"
         if budget is not None:
             spec.update(budget_s=budget[0], max_end=budget[1])
@@ -167,7 +180,7 @@ class _Runner:
         log = self.tmp / f"{name}.log"
         print(f"zpp tune --job: running {name} ({steps}) ...", file=sys.stderr, flush=True)
         with open(log, "w") as f:
-            rc = self._launch(env, f)
+            rc = self._launch(command, env, f)
         self.logs[name] = log.read_text()[-20000:]
         if rc != 0 or not out.exists():
             tail = "\n".join(self.logs[name].splitlines()[-15:])
@@ -176,18 +189,18 @@ class _Runner:
                                                                       f" before the trial's last step ({steps})")}
         return json.loads(out.read_text())
 
-    def _launch(self, env: dict[str, str], f) -> int:
+    def _launch(self, command: list[str], env: dict[str, str], f) -> int:
         if self.args.cluster:
             from zpp import cluster
 
-            return cluster.run(self.command, ranks_per_node=self.rpn, env=env, timeout=self.args.job_timeout,
+            return cluster.run(command, ranks_per_node=self.rpn, env=env, timeout=self.args.job_timeout,
                                stdout=f, stderr=f)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nprocs}",
                f"--master-port={free_port()}"]
-        if os.path.basename(self.command[0]).startswith("python"):
-            cmd += self.command[1:]
+        if os.path.basename(command[0]).startswith("python"):
+            cmd += command[1:]
         else:
-            cmd += ["--no-python", *self.command]
+            cmd += ["--no-python", *command]
         return subprocess.run(cmd, env={**os.environ, **env, "ZPP_RANKS_PER_NODE": str(self.rpn)},
                               stdout=f, stderr=subprocess.STDOUT, timeout=self.args.job_timeout).returncode
 
@@ -207,6 +220,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     if end <= start:
         parser.error(f"autotuning.end_profile_step={end} must be above start_profile_step={start}")
     confirm = int(at.get("tuner_num_trials", 3))
+    try:
+        mb_search = from_autotuning(at)
+    except ValueError as e:
+        parser.error(str(e))
     report_path = Path(args.report)
     if args.report == DEFAULT_REPORT and at.get("results_dir"):  # DeepSpeed's autotuning.results_dir
         report_path = Path(at["results_dir"]) / DEFAULT_REPORT
@@ -238,15 +255,65 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                   "its losses are not seen and a step is taken as its gradient_accumulation_steps "
                   f"({prof['micro_steps']:g}) backward passes", file=sys.stderr)
         report = choose(prof, names, runner, confirm=confirm, memory_gb=args.memory_gb, loss_steps=args.loss_steps)
+        sections = dict(report["winner_sections"])
+        report["micro_batch"] = _micro_batch(runner, report, prof, base, mb_search, memory_gb=args.memory_gb)
+        if "chosen" in report["micro_batch"]:
+            sections.update(_micro_batch_keys(base, prof, report["micro_batch"]["chosen"]))
         report["logs"] = runner.logs
-    tuned = apply(base, {"overrides": report["winner_sections"]})
+    tuned = apply(base, {"overrides": sections})
     tuned.pop("autotuning", None)
     Path(args.out).write_text(json.dumps(tuned, indent=2) + "\n")
     report.update(command=" ".join(shlex.quote(c) for c in command), config=args.config, out=args.out)
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     print(format_report(report))
     print(f"# wrote {args.out} (the job's config with {report['winner']}'s sections) and {report_path}")
+    mb = report["micro_batch"]
+    if "chosen" in mb and mb["chosen"] != mb["job_micro_batch"]:
+        print(f"# run the job with {mb['argument']} {mb['chosen']}: "
+              + " ".join(shlex.quote(c) for c in with_argument(command, mb["argument"], mb["chosen"])))
     return 0
+
+
+def _micro_batch_keys(base: dict[str, Any], prof: dict[str, Any], size: int) -> dict[str, Any]:
+    """The config keys of a micro-batch of ``size``: ``train_micro_batch_size_per_gpu`` (kept
+    "auto" where the job's config says so: the front-end fills it from the argument) and, where
+    the job's config has one, a ``train_batch_size`` that agrees with it."""
+    keys: dict[str, Any] = {}
+    if base.get(KEY) != "auto":
+        keys[KEY] = size
+    if isinstance(base.get("train_batch_size"), int):
+        keys["train_batch_size"] = size * round(float(prof.get("micro_steps", 1.0))) * int(prof["world"])
+    return keys
+
+
+def _micro_batch(runner, report: dict[str, Any], prof: dict[str, Any], base: dict[str, Any],
+                 s: MicroBatchSearch | None, *, memory_gb: float | None) -> dict[str, Any]:
+    """The micro-batch search of [Note: the micro-batch search] for the winner, or why none ran."""
+    if s is None:
+        return {"skipped": "no autotuning.arg_mappings for train_micro_batch_size_per_gpu: the job's micro-batch "
+                           "stays (see [Note: the micro-batch search] in zpp/tune/microbatch.py)"}
+    mine = prof.get("micro_batch")
+    if not isinstance(mine, int):
+        return {"skipped": f"the job's micro-batch is not known (the engine reports {mine!r})"}
+    winner = _Sections(report["winner"], report["winner_sections"])
+
+    def run(size: int) -> dict[str, Any]:
+        return runner(winner, tag=f"-mb{size}", micro_batch=(s, size, _micro_batch_keys(base, prof, size)))
+    first = run(mine)
+    if "error" in first:
+        return {"skipped": f"the winner at the job's micro-batch {mine} failed: {first['error']}"}
+    return search(run, s, mine=mine, first=first, memory_gb=memory_gb)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sections:
+    """A chosen mode as the runner takes it: its name and its config sections."""
+
+    name: str
+    sections: dict[str, Any]
+
+    def config(self, ranks_per_node: int) -> dict[str, Any]:
+        return json.loads(json.dumps(self.sections))
 
 
 def loss_window(steps: int) -> int:
@@ -450,4 +517,9 @@ def format_report(rep: dict[str, Any]) -> str:
                      + mark + (f"  error: {r['error']}" if "error" in r else "")
                      + (f"  skipped: {r['skipped']}" if "skipped" in r else ""))
     lines.append(f"# {rep['why']}")
+    mb = rep.get("micro_batch") or {}
+    if "why" in mb:
+        lines.append(f"# {mb['why']}")
+    elif "skipped" in mb:
+        lines.append(f"# micro-batch: {mb['skipped']}")
     return "\n".join(lines)

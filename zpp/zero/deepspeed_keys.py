@@ -376,11 +376,14 @@ _KEY_LIST: list[DsKey] = [
     _accept("autotuning.tuner_num_trials", "`zpp tune --job`: at most this many candidates confirmed by a run",
             _int(lo=1)),
     _accept("autotuning.results_dir", "`zpp tune --job`: where its report goes", _str),
-    *(_accept(f"autotuning.{k}", "DeepSpeed's search over micro-batch sizes and its tuner: zpp tune keeps the "
-              "job's micro-batch and ranks the modes by its cost model", _anything)
-      for k in ("exps_dir", "overwrite", "fast", "max_train_batch_size", "mp_size", "num_tuning_micro_batch_sizes",
-                "tuner_type", "tuner_early_stopping", "arg_mappings", "min_train_micro_batch_size_per_gpu",
-                "max_train_micro_batch_size_per_gpu", "model_info", "model_info_path", "metric_path")),
+    *(_accept(f"autotuning.{k}", "`zpp tune --job`'s micro-batch search, with arg_mappings naming the script "
+              "argument of train_micro_batch_size_per_gpu (zpp/tune/microbatch.py)", _anything)
+      for k in ("arg_mappings", "max_train_batch_size", "num_tuning_micro_batch_sizes",
+                "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu")),
+    *(_accept(f"autotuning.{k}", "DeepSpeed's tuner and experiment files: zpp tune ranks the modes by its cost "
+              "model and confirming runs", _anything)
+      for k in ("exps_dir", "overwrite", "fast", "mp_size", "tuner_type", "tuner_early_stopping", "model_info",
+                "model_info_path", "metric_path")),
     _refuse_section("eigenvalue", "eigenvalue computation"),
     _refuse_section("progressive_layer_drop", "progressive layer dropping"),
     _refuse_section("quantize_training", "quantization-aware training"),

@@ -195,6 +195,7 @@ class _Timer:
         trace = e._prefetch.trace() or ()
         metrics = {
             "overrides": self.trial.get("overrides", {}), "world": w.world_size, "end": self.count,
+            "micro_batch": e.train_micro_batch_size_per_gpu(),
             # backward passes per step; none through engine.backward (the job calls loss.backward()
             # itself): its accumulation steps, and no losses
             "micro_steps": self.micro / n if self.micro else float(e.train_config.gradient_accumulation_steps),
