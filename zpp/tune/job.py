@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from zpp.bench.launch import free_port
+from zpp.tune.metrics import mean_step_s, samples_per_micro_batch
 from zpp.tune.microbatch import KEY, MicroBatchSearch, from_autotuning, search, with_argument
 
 # torch-free at import (``zpp --help``): the cost model and the trial are imported where used
@@ -282,7 +283,7 @@ def _micro_batch_keys(base: dict[str, Any], prof: dict[str, Any], size: int) -> 
     if base.get(KEY) != "auto":
         keys[KEY] = size
     if isinstance(base.get("train_batch_size"), int):
-        keys["train_batch_size"] = size * round(float(prof.get("micro_steps", 1.0))) * int(prof["world"])
+        keys["train_batch_size"] = size * samples_per_micro_batch(prof)
     return keys
 
 
@@ -329,12 +330,6 @@ def steps_to(curve: list[float | None], target: float, w: int) -> int | None:
         if all(x is not None and math.isfinite(x) for x in win) and sum(win) / w <= target:  # type: ignore[arg-type]
             return k
     return None
-
-
-def mean_step_s(m: dict[str, Any]) -> float:
-    """A run's mean timed step (the syncs' stalls count, unlike the median's)."""
-    t = m["step_times"]
-    return sum(t) / len(t) if t else m["step_s"]
 
 
 def _race(rows: dict, modes: dict, best: dict, names: list[str], runner, *, units, cluster, profile, rpn: int,

@@ -27,6 +27,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from zpp.tune.metrics import mean_step_s, samples_per_micro_batch
+
 __all__ = ["MicroBatchSearch", "from_autotuning", "search", "throughput", "with_argument"]
 
 KEY = "train_micro_batch_size_per_gpu"
@@ -114,9 +116,7 @@ def with_argument(command: Sequence[str], option: str, value: int) -> list[str]:
 
 def throughput(m: Mapping[str, Any], micro_batch: int) -> float:
     """Samples per second of a trial's metrics at ``micro_batch`` (DeepSpeed's metric)."""
-    steps = m["step_times"]
-    mean = sum(steps) / len(steps) if steps else m["step_s"]
-    return micro_batch * float(m.get("micro_steps", 1.0)) * m["world"] / mean
+    return micro_batch * float(m.get("micro_steps", 1.0)) * m["world"] / mean_step_s(m)
 
 
 def search(run: Callable[[int], dict[str, Any]], s: MicroBatchSearch, *, mine: int, first: Mapping[str, Any],
@@ -124,7 +124,7 @@ def search(run: Callable[[int], dict[str, Any]], s: MicroBatchSearch, *, mine: i
     """Run the sizes of ``s`` above the job's ``mine`` (``run(micro_batch)`` gives a trial's
     metrics; ``first`` are the chosen mode's at ``mine``) and pick the highest throughput
     (see [Note: the micro-batch search])."""
-    per_micro = round(float(first.get("micro_steps", 1.0))) * int(first["world"])
+    per_micro = samples_per_micro_batch(first)
     rows = [{"micro_batch": mine, "step_s": first["step_s"], "throughput": throughput(first, mine),
              "peak_rss_bytes": first["peak_rss_bytes"]}]
     stopped = None
