@@ -4,6 +4,8 @@ reductions] in zpp/zero/reduce/overlap.py), on a real 2 nodes x 2 gloo world and
 * Exact: every variant trains to the same bits with the reductions on the communication
   thread as with them in line (losses, master weights, wire bytes), at stages 1-3, with
   ZeRO++ (qwZ + hpZ + qgZ), fp16 loss scaling and gradient accumulation.
+* qgZ's two hops pipelined (its inter-node hop on a second worker): the same bits, and every
+  ZeRO++ reduction took that path.
 * Overlapped, shown without a clock: the first reduction of the backward (the last block's)
   is held until the backward has reached the first block. In line that cannot happen (the
   backward waits for the reduction), so the same gate must time out there: the check fails
@@ -53,9 +55,11 @@ def _run(t, name, overlap):
     t.counters.reset()
     losses = train_steps(engine, _batches("gpt", t.rank, STEPS * engine.gradient_accumulation_steps()))
     masters = [u.flat.master.detach().clone() for u in engine.units if u.trainable]
-    threaded = engine.comms.reducer.started if engine.comms.reducer is not None else 0
+    reducer = engine.comms.reducer
+    threaded = reducer.started if reducer is not None else 0
+    hop2 = reducer.hop2_started if reducer is not None else 0
     waits = engine.link_waits()
-    out = {"losses": losses, "masters": masters, "bytes": t.counters.snapshot(), "threaded": threaded,
+    out = {"losses": losses, "masters": masters, "bytes": t.counters.snapshot(), "threaded": threaded, "hop2": hop2,
            "reason": engine.overlap_reason, "waits": waits}
     engine.close()
     return out
@@ -71,6 +75,9 @@ def _check_exact(results, names):
             inline, overlapped = r[name][False], r[name][True]
             assert inline["threaded"] == 0 and inline["reason"] == "overlap_comm is off", (name, inline["reason"])
             assert overlapped["threaded"] > 0 and overlapped["reason"] == "", (name, overlapped["reason"])
+            # qgZ's inter-node hops ran on the second worker, every one of them (2 x 2 world)
+            expect_hop2 = overlapped["threaded"] if "zeropp" in name else 0
+            assert overlapped["hop2"] == expect_hop2, (name, overlapped["hop2"], overlapped["threaded"])
             assert overlapped["losses"] == inline["losses"], (rank, name, overlapped["losses"], inline["losses"])
             for a, b in zip(overlapped["masters"], inline["masters"], strict=True):
                 assert torch.equal(a, b), (rank, name)
@@ -240,3 +247,69 @@ def test_a_closed_engine_frees_its_duplicate_worlds(name):
 def test_a_closed_engine_frees_its_duplicate_communicators_mpi():
     for held in run_world(_rebuilt, 4, backend="mpi", ranks_per_node=2, args=("stage3-zeropp", 2), timeout=170):
         assert held == [True, True]
+
+
+class _Pipelined:
+    """A fake pipelined strategy: ``start`` and the ``wait()`` it leaves behind record their
+    thread; the second part of reduction 0 holds until reduction 1's ``start`` has begun
+    (which only a second worker allows); ``start`` of ``fail_at`` raises."""
+
+    pipelined = True
+
+    def __init__(self, fail_at=None):
+        self.log, self.fail_at = [], fail_at
+        self.began = {i: threading.Event() for i in range(8)}
+
+    def start(self, flat, layout):
+        i = int(flat[0])
+        self.began[i].set()
+        self.log.append(("start", i, threading.current_thread().name))
+        if i == self.fail_at:
+            raise RuntimeError(f"start {i} failed")
+
+        def second():
+            if i == 0 and not self.began[1].wait(10):
+                raise RuntimeError("reduction 1 did not start while reduction 0's second part ran")
+            self.log.append(("wait", i, threading.current_thread().name))
+
+        from zpp.comm.transport import Work
+        from zpp.zero.comm_api import Reduction
+        return Reduction(flat * 2, Work("fake", second, asynchronous=False))
+
+
+class _NoWorld:
+    def free(self):
+        pass
+
+
+def _thread(reduce):
+    from zpp.zero.reduce.overlap import LinkWaits, ReductionThread
+    return ReductionThread(reduce, world=_NoWorld(), max_numel=1 << 20, clock=LinkWaits())
+
+
+def test_a_pipelined_reduction_runs_its_second_part_beside_the_next_start():
+    reduce = _Pipelined()
+    worker = _thread(reduce)
+    started = [worker.start(torch.full((4,), float(i)), None, f"unit {i}") for i in range(4)]
+    results = [r.wait() for r in started]
+    worker.close()
+    for i, out in enumerate(results):
+        assert torch.equal(out, torch.full((4,), 2.0 * i))
+    assert worker.hop2_started == 4
+    # each part in the order started, on its own worker
+    assert [i for kind, i, _ in reduce.log if kind == "start"] == [0, 1, 2, 3]
+    assert [i for kind, i, _ in reduce.log if kind == "wait"] == [0, 1, 2, 3]
+    threads = {kind: {name for k, _, name in reduce.log if k == kind} for kind in ("start", "wait")}
+    assert len(threads["start"]) == len(threads["wait"]) == 1 and threads["start"] != threads["wait"], threads
+
+
+def test_a_pipelined_reduction_hands_on_its_error():
+    reduce = _Pipelined(fail_at=2)
+    worker = _thread(reduce)
+    started = [worker.start(torch.full((4,), float(i)), None, f"unit {i}") for i in range(4)]
+    assert torch.equal(started[1].wait(), torch.full((4,), 2.0))
+    with pytest.raises(RuntimeError, match="start 2 failed"):
+        started[2].wait()
+    assert torch.equal(started[3].wait(), torch.full((4,), 6.0))
+    worker.close()
+    assert worker.hop2_started == 3

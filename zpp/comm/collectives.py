@@ -44,6 +44,7 @@ __all__ = [
     "quantized_all_gather_async",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
+    "quantized_reduce_scatter_hops",
 ]
 
 
@@ -200,6 +201,30 @@ def quantized_reduce_scatter(
     node skips hop 1. Any ``inp`` size (see [Note: reduce-scatter layout]); the group size is
     :func:`effective_group_size` of ``group_size`` and the slice.
     """
+    quantized_reduce_scatter_hops(out, inp, topology=topology, bits=bits, group_size=group_size).wait()
+    return out
+
+
+def quantized_reduce_scatter_hops(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    *,
+    topology,
+    bits: int = 4,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> Work:
+    """:func:`quantized_reduce_scatter` in two parts: the call runs hop 1 (the checks over
+    ``topology.world``, the quantization and the intra-node exchange); ``wait()`` runs hop 2
+    over ``topology.inter`` only and writes ``out``. Booked as one call (hop 2 adds its bytes
+    as the rest of it).
+
+    [Note: qgZ's hops pipelined]
+    The two parts use disjoint communicators, so the ``wait()`` of one reduction may run on
+    one thread while the next reduction's hop 1 runs on another (every rank issuing each
+    communicator's calls in the same order): the overlapped reductions put the intra-node hop
+    of unit k+1 beside the inter-node hop of unit k (:mod:`zpp.zero.reduce.overlap`). The
+    bits are those of the call waited at once. The work is not adopted by the transport (the
+    part at ``wait()`` may run on another thread than the call)."""
     world = topology.world
     W, R, N = world.world_size, topology.ranks_per_node, topology.nodes
     x = _slices(out, inp, W, "quantized_reduce_scatter")
@@ -209,23 +234,28 @@ def quantized_reduce_scatter(
     chunk = zq.reduce_scatter_chunk(inp.numel(), W, group_size)
     if chunk != s:  # pad every slice to whole groups
         x = torch.nn.functional.pad(x, (0, chunk - s))
-    with world.counters.collective("quantized_reduce_scatter", inp.numel() * inp.element_size()):
+    name, logical = "quantized_reduce_scatter", inp.numel() * inp.element_size()
+    with world.counters.collective(name, logical):
         if s == 0:
-            return out
+            return Work(name)
         q = zq.swizzle_quantize(x, nodes=N, ranks_per_node=R, bits=bits, group_size=group_size)
         if R > 1:
             q = _exchange(topology.intra, q, (R, N * chunk))
             if N == 1:
                 mean = zq.dequantize_sum(q, divisor=float(W), dtype=out.dtype)
                 out.view(-1).copy_(mean[:s])
-                return out
+                return Work(name)
             q = zq.requantize_sum(q)
         else:
             q = q._replace(shape=torch.Size((N * chunk,)))
-        q = _exchange(topology.inter, q, (N, chunk))
-        mean = zq.dequantize_sum(q, divisor=float(W), dtype=out.dtype)
-        out.view(-1).copy_(mean[:s])
-    return out
+
+    def inter_node_hop() -> None:
+        with world.counters.collective(name, 0, continued=True):
+            recv = _exchange(topology.inter, q, (N, chunk))
+            mean = zq.dequantize_sum(recv, divisor=float(W), dtype=out.dtype)
+            out.view(-1).copy_(mean[:s])
+
+    return Work(name, inter_node_hop, asynchronous=False)
 
 
 def _exchange(t: Transport, q: zq.QuantizedTensor, shape) -> zq.QuantizedTensor:

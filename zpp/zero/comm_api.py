@@ -95,7 +95,8 @@ class Reduction:
     [Note: reductions return work]
     The transports have no non-blocking reduce-scatter or all-to-all yet, so every
     strategy runs its reduction at :meth:`GradReduce.start` and returns a done
-    ``Reduction``. The overlap with the backward comes from the engine instead: with
+    ``Reduction``, except qgZ, which leaves its inter-node hop to ``wait()`` (a
+    :attr:`GradReduce.pipelined` strategy). The overlap with the backward comes from the engine instead: with
     ``overlap_comm`` it runs ``start`` on a communication thread and hands the unit a
     :class:`~zpp.zero.reduce.overlap.ThreadReduction` to wait on (see [Note: overlapped
     reductions] in :mod:`zpp.zero.reduce.overlap`)."""
@@ -123,6 +124,11 @@ class GradReduce(abc.ABC):
     averages: bool = True
     """The result is the mean over the ranks; False: each rank keeps its own gradient (the
     optimizer averages: 1-bit), which the gradient check treats as local."""
+    pipelined: bool = False
+    """What :meth:`start` leaves to the reduction's ``wait()`` runs over communicators that
+    ``start`` does not use, so one reduction's ``wait()`` may run beside the next one's
+    ``start`` on another thread (qgZ's inter-node hop beside the next unit's intra-node hop;
+    see [Note: qgZ's hops pipelined] in :mod:`zpp.comm.collectives`)."""
 
     @abc.abstractmethod
     def start(self, flat: torch.Tensor, layout: FlatLayout) -> Reduction:

@@ -227,6 +227,12 @@ class ZppConfig:
     once per ring pass, with the same result. None: on where the engine builds the node
     topology anyway (hpZ or qgZ chosen); True: always (the topology is built for it)
     (Default: None)."""
+    pipeline_reductions: bool = True
+    """With ``overlap_comm``: a reduction in two parts over disjoint communicators (qgZ's
+    intra-node and inter-node hops) runs its second part on a second communication thread,
+    beside the next reduction's first, with the same bits (see [Note: overlapped
+    reductions] in :mod:`zpp.zero.reduce.overlap`); False: one thread runs each reduction
+    whole (Default: True)."""
     gradient_reduce: str | None = None
     """The gradient reduction by name (see :mod:`zpp.zero.reduce`); None: from the stage,
     ``zero_quantized_gradients`` and the optimizer (Default: None)."""
@@ -253,7 +259,7 @@ class ZppConfig:
         if self.unit_min_numel is not None:
             check_int(w, "unit_min_numel", self.unit_min_numel, lo=0)
         object.__setattr__(self, "unit_classes", check_str_tuple(w, "unit_classes", self.unit_classes))
-        for name in ("prefetch", "check_parameters", "reshard_after_forward"):
+        for name in ("prefetch", "check_parameters", "reshard_after_forward", "pipeline_reductions"):
             check_bool(w, name, getattr(self, name))
         for name in ("weight_gather", "gradient_reduce"):
             if getattr(self, name) is not None:

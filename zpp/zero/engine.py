@@ -214,7 +214,8 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
         reducer = None
         if duplicate is not None:
             reduce = build_reduce(build_reduce_comms(duplicate, config, policy), policy)
-            reducer = ReductionThread(reduce, world=duplicate, max_numel=config.zero.reduce_bucket_size, clock=waits)
+            reducer = ReductionThread(reduce, world=duplicate, max_numel=config.zero.reduce_bucket_size, clock=waits,
+                                      pipeline=config.zpp.pipeline_reductions)
         else:
             reduce = build_reduce(comms, policy)
             if config.zero.overlap_comm and world.rank == 0:

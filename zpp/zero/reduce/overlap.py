@@ -23,6 +23,13 @@ oldest. Each holds the unit's flat fp32 gradient until it is done. A bound in co
 instead (first tried: 2 in flight) stalled the backward on the 25M GPT's 33 small units at
 100 Mbit (0.8 s of its 1.4 s backward, perf/results/step_trace-zeropp-100mbit.json.txt).
 
+Pipelined (qgZ, [Note: qgZ's hops pipelined] in :mod:`zpp.comm.collectives`): a
+:attr:`~zpp.zero.comm_api.GradReduce.pipelined` strategy's ``start`` runs on the worker and
+its ``wait()`` on a second worker, in the same order, so the inter-node hop of unit k is on the
+link while the worker runs unit k+1's quantization and intra-node hop. The bits are the same:
+each reduction runs the same calls over the same communicators in the same order; only the
+two communicators' calls interleave differently in time.
+
 Not overlapped (run at the start, as before, with the reason logged once and kept in
 ``engine.overlap_reason``): one rank; a transport that cannot run collectives on a second
 thread (MPI without ``MPI_THREAD_MULTIPLE``: ``Transport.thread_safe``); a world that
@@ -137,10 +144,13 @@ class ReductionThread:
         max_numel: gradient elements started and not done, at most (one reduction larger than
             this still runs, alone); the engine sets it once its units are planned.
         clock: where the time the training thread waits is booked.
+        pipeline: run a :attr:`~zpp.zero.comm_api.GradReduce.pipelined` strategy's second
+            part on a second worker (``zpp.pipeline_reductions``); False: every reduction
+            whole on the one worker.
     """
 
     def __init__(self, reduce: GradReduce, *, world: Transport, max_inflight: int = DEFAULT_MAX_INFLIGHT,
-                 max_numel: int, clock: LinkWaits) -> None:
+                 max_numel: int, clock: LinkWaits, pipeline: bool = True) -> None:
         if max_inflight < 1:
             raise ValueError(f"ReductionThread: max_inflight={max_inflight} must be >= 1")
         self.reduce = reduce
@@ -149,6 +159,9 @@ class ReductionThread:
         self.max_numel = max_numel
         self.clock = clock
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zpp-reduce")
+        #: the second worker of a pipelined strategy (its reductions' ``wait()``), else None
+        self._hop2 = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zpp-reduce-hop2")
+                      if pipeline and reduce.pipelined else None)
         self._inflight: collections.deque[ThreadReduction] = collections.deque()
         #: reductions run on the worker so far (the bench and tests read it)
         self.started = 0
@@ -156,6 +169,8 @@ class ReductionThread:
         #: new one included (each is a unit's full gradient, held until its reduction is done;
         #: perf/memory_bench.py reports it beside the resident peak)
         self.peak_numel = 0
+        #: reductions whose second part ran on the second worker (pipelined strategies)
+        self.hop2_started = 0
 
     def start(self, flat: torch.Tensor, layout: FlatLayout, what: str = "") -> ThreadReduction:
         """Hand ``flat`` (which the worker then owns) to the worker, after waiting for the
@@ -175,18 +190,47 @@ class ReductionThread:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(flat.device))
 
-        def run() -> torch.Tensor:
+        def first() -> Reduction:
             if ready is not None:
                 torch.cuda.set_device(flat.device)
                 torch.cuda.current_stream(flat.device).wait_event(ready)
             with self.clock.span(f"zpp.reduce {what}"):
-                return self.reduce.start(flat, layout).wait()
+                return self.reduce.start(flat, layout)
 
-        future = self._pool.submit(run)
+        if self._hop2 is None:
+            future = self._pool.submit(lambda: first().wait())
+        else:
+            future = self._pipelined(first, flat, what)
         r = ThreadReduction(future, numel, self.clock, what)
         self._inflight.append(r)
         self.started += 1
         return r
+
+    def _pipelined(self, first, flat: torch.Tensor, what: str) -> concurrent.futures.Future:
+        """Run ``first`` on the worker, then its reduction's ``wait()`` on the second worker;
+        the future is done when that is (or holds the error of either)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def second(started: Reduction) -> None:
+            try:
+                if flat.is_cuda:
+                    torch.cuda.set_device(flat.device)
+                with self.clock.span(f"zpp.reduce {what} (hop 2)"):
+                    done.set_result(started.wait())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                done.set_exception(exc)
+
+        def run() -> None:
+            try:
+                started = first()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                done.set_exception(exc)
+                return
+            self.hop2_started += 1
+            self._hop2.submit(second, started)
+
+        self._pool.submit(run)
+        return done
 
     def forget_done(self) -> None:
         """Forget the reductions that are done (their owners wait for their results)."""
@@ -198,7 +242,9 @@ class ReductionThread:
         (:meth:`~zpp.comm.transport.Transport.free`: without it every engine built and closed
         would keep that communicator until exit)."""
         self._inflight.clear()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # first: its last reductions hand their wait() on
+        if self._hop2 is not None:
+            self._hop2.shutdown(wait=True)
         world, self.world = self.world, None
         if world is not None:
             world.free()
