@@ -63,17 +63,37 @@ def _outer(args) -> dict:
             "momentum": args.outer_momentum}
 
 
+def scheduler_config(args) -> dict | None:
+    """``--lr-schedule cosine``: DeepSpeed's WarmupCosineLR, a linear warm-up over
+    ``--lr-warmup`` steps, then cosine decay to ``--lr-min-ratio`` of the lr at
+    ``args.lr_total_steps`` (the reference's step count: runs longer than it stay at the floor);
+    None: constant lr."""
+    if getattr(args, "lr_schedule", "constant") == "constant":
+        return None
+    total = getattr(args, "lr_total_steps", None) or args.steps
+    return {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": total, "warmup_num_steps": args.lr_warmup, "warmup_type": "linear",
+        "warmup_min_ratio": 0.0, "cos_min_ratio": args.lr_min_ratio}}
+
+
 def _build(name, model, t, args):
     """(net, backward(loss), step(), engine or None) for one variant."""
+    schedule = scheduler_config(args)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        from zpp.zero.schedulers import WarmupCosineLR
+
         net = DDP(model) if t.world_size > 1 else model
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        # the same scheduler class the engine builds from the config below
+        sched = WarmupCosineLR(opt, **schedule["params"]) if schedule else None
 
         def opt_step():
             opt.step()
             opt.zero_grad()
+            if sched is not None:
+                sched.step()
         return net, lambda loss: loss.backward(), opt_step, None
     import zpp.zero as zz
     from zpp.comm.topology import topology_of
@@ -93,6 +113,8 @@ def _build(name, model, t, args):
         zpp_section["outer"] = _outer(args)
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "optimizer": optimizer, "zero_optimization": zero,
            "zpp": zpp_section}
+    if schedule:
+        cfg["scheduler"] = schedule
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     return engine, engine.backward, engine.step, engine
 
@@ -277,6 +299,15 @@ def _rank_main(t, args):
         plot([run], args.png)
 
 
+def add_schedule_args(p) -> None:
+    """The inner lr's schedule options (:func:`scheduler_config`), shared with perf/diloco_study.py."""
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="the inner lr: constant, or a linear warm-up then cosine decay over --steps")
+    p.add_argument("--lr-warmup", type=int, default=20, help="--lr-schedule cosine: warm-up steps")
+    p.add_argument("--lr-min-ratio", type=float, default=0.1,
+                   help="--lr-schedule cosine: the floor, a fraction of the lr")
+
+
 def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     trainlib.add_model_args(p, n_layer=4, n_embd=256, block=128, batch=4, steps=500, warmup=0)  # no warm-up:
@@ -297,6 +328,7 @@ def parser():
     p.add_argument("--outer-lr", type=float, default=None, help="zpp.outer.lr (default: the method's, 0.7 for diloco)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="zpp.outer.momentum (default: the method's, 0.9 for diloco)")
+    add_schedule_args(p)
     p.add_argument("--target-from", default=None, metavar="JSON",
                    help="take DDP's rows (the targets) from this earlier run of the same seeds and link, "
                         "to run other variants for longer without DDP")

@@ -100,6 +100,7 @@ def _rank_main(t, args):
                 if outer is not None:
                     a.outer_config = {"sync_every": args.sync_every, **outer}
                 variant = "ddp" if outer is None else "diloco"
+                a.lr_total_steps = args.steps  # a decaying lr ends at DDP's last step for every run
                 if outer is not None:  # longer, to see when it reaches DDP's final loss
                     a.steps = args.steps + args.extra_steps
                 row = diloco_bench._run(t, variant, seed, a, data)
@@ -163,6 +164,7 @@ def parser():
                    help="only print a markdown table of earlier runs")
     p.add_argument("--extra-steps", type=int, default=200,
                    help="steps the hierarchical runs train beyond DDP's (to reach DDP's final loss)")
+    diloco_bench.add_schedule_args(p)  # a decaying schedule ends at --steps for every run
     return p
 
 
