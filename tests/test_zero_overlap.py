@@ -313,3 +313,45 @@ def test_a_pipelined_reduction_hands_on_its_error():
     assert torch.equal(started[3].wait(), torch.full((4,), 6.0))
     worker.close()
     assert worker.hop2_started == 3
+
+
+class _Held:
+    """A fake pipelined strategy whose second part holds nothing (``held_numel=0``); the second
+    part of reduction 0 holds until reduction 2's ``start`` has begun."""
+
+    pipelined = True
+
+    def __init__(self, held):
+        self.held = held
+        self.began = {i: threading.Event() for i in range(4)}
+
+    def start(self, flat, layout):
+        i = int(flat[0])
+        self.began[i].set()
+
+        def second():
+            if i == 0 and not self.began[2].wait(5):
+                raise RuntimeError("reduction 2 did not start while reduction 0's second part ran")
+
+        from zpp.comm.transport import Work
+        from zpp.zero.comm_api import Reduction
+        return Reduction(flat.clone(), Work("fake", second, asynchronous=False), held_numel=self.held)
+
+
+@pytest.mark.parametrize("held", [0, None])
+def test_the_memory_bound_counts_what_a_second_part_still_holds(held):
+    """Room for one unit's gradient: with the first parts done and their second parts holding
+    nothing, reductions 1 and 2 start while reduction 0's second part is still running; a
+    second part that holds the whole gradient (None) makes reduction 2 wait for 0 instead."""
+    from zpp.zero.reduce.overlap import LinkWaits, ReductionThread
+
+    reduce = _Held(held)
+    worker = ReductionThread(reduce, world=_NoWorld(), max_numel=4, clock=LinkWaits())
+    started = [worker.start(torch.full((4,), float(i)), None, f"unit {i}") for i in range(3)]
+    if held == 0:
+        for i, r in enumerate(started):
+            assert torch.equal(r.wait(), torch.full((4,), float(i)))
+    else:
+        with pytest.raises(RuntimeError, match="reduction 2 did not start"):
+            started[0].wait()
+    worker.close()

@@ -30,6 +30,8 @@ global rank ``node * R + local``.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 import zpp.quant as zq
@@ -201,8 +203,18 @@ def quantized_reduce_scatter(
     node skips hop 1. Any ``inp`` size (see [Note: reduce-scatter layout]); the group size is
     :func:`effective_group_size` of ``group_size`` and the slice.
     """
-    quantized_reduce_scatter_hops(out, inp, topology=topology, bits=bits, group_size=group_size).wait()
+    quantized_reduce_scatter_hops(out, inp, topology=topology, bits=bits, group_size=group_size).work.wait()
     return out
+
+
+class Hops(NamedTuple):
+    """:func:`quantized_reduce_scatter_hops`' result."""
+
+    work: Work
+    """``wait()`` runs the second hop and writes ``out``."""
+    held_bytes: int
+    """Bytes the second hop holds from the first's end to its own (the intra-node sum's
+    codes and scales, their received copy, the fp32 sum of a slice); ``out`` not included."""
 
 
 def quantized_reduce_scatter_hops(
@@ -212,7 +224,7 @@ def quantized_reduce_scatter_hops(
     topology,
     bits: int = 4,
     group_size: int = DEFAULT_GROUP_SIZE,
-) -> Work:
+) -> Hops:
     """:func:`quantized_reduce_scatter` in two parts: the call runs hop 1 (the checks over
     ``topology.world``, the quantization and the intra-node exchange); ``wait()`` runs hop 2
     over ``topology.inter`` only and writes ``out``. Booked as one call (hop 2 adds its bytes
@@ -237,14 +249,14 @@ def quantized_reduce_scatter_hops(
     name, logical = "quantized_reduce_scatter", inp.numel() * inp.element_size()
     with world.counters.collective(name, logical):
         if s == 0:
-            return Work(name)
+            return Hops(Work(name), 0)
         q = zq.swizzle_quantize(x, nodes=N, ranks_per_node=R, bits=bits, group_size=group_size)
         if R > 1:
             q = _exchange(topology.intra, q, (R, N * chunk))
             if N == 1:
                 mean = zq.dequantize_sum(q, divisor=float(W), dtype=out.dtype)
                 out.view(-1).copy_(mean[:s])
-                return Work(name)
+                return Hops(Work(name), 0)
             q = zq.requantize_sum(q)
         else:
             q = q._replace(shape=torch.Size((N * chunk,)))
@@ -255,7 +267,8 @@ def quantized_reduce_scatter_hops(
             mean = zq.dequantize_sum(recv, divisor=float(W), dtype=out.dtype)
             out.view(-1).copy_(mean[:s])
 
-    return Work(name, inter_node_hop, asynchronous=False)
+    codes = q.data.numel() * q.data.element_size() + q.scales.numel() * q.scales.element_size()
+    return Hops(Work(name, inter_node_hop, asynchronous=False), 2 * codes + 4 * chunk)
 
 
 def _exchange(t: Transport, q: zq.QuantizedTensor, shape) -> zq.QuantizedTensor:

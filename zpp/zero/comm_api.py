@@ -101,11 +101,14 @@ class Reduction:
     :class:`~zpp.zero.reduce.overlap.ThreadReduction` to wait on (see [Note: overlapped
     reductions] in :mod:`zpp.zero.reduce.overlap`)."""
 
-    __slots__ = ("_result", "_work")
+    __slots__ = ("_result", "_work", "held_numel")
 
-    def __init__(self, result: torch.Tensor, work: Work | None = None) -> None:
+    def __init__(self, result: torch.Tensor, work: Work | None = None, held_numel: int | None = None) -> None:
         self._result = result
         self._work = work
+        #: fp32 elements' worth of memory the part left to ``wait()`` holds (None: the whole
+        #: input until ``wait()`` returns); the overlapped reductions' memory bound reads it
+        self.held_numel = held_numel
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:

@@ -19,7 +19,10 @@ Bounded by memory: the reductions started and not yet done hold at most ``min(
 reduce_bucket_size, 2 x the largest unit's gradient)`` elements (DeepSpeed's meaning of
 ``reduce_bucket_size`` under ``overlap_comm``; the second term keeps the cost at two units'
 gradients, the stage-3 memory formula's transient); a start past it first waits for the
-oldest. Each holds the unit's flat fp32 gradient until it is done. A bound in count
+oldest. Each holds the unit's flat fp32 gradient until it is done, or, pipelined, until its
+first part is: qgZ's second part holds only the codes and scales of the intra-node sum and
+the shard it writes (``Reduction.held_numel``, about ``1/(8 R)`` of the gradient's bytes at
+int4), so the backward stalls on the first parts' pace, not on the link's. A bound in count
 instead (first tried: 2 in flight) stalled the backward on the 25M GPT's 33 small units at
 100 Mbit (0.8 s of its 1.4 s backward, perf/results/step_trace-zeropp-100mbit.json.txt).
 
@@ -63,14 +66,18 @@ class ThreadReduction(Reduction):
     """A reduction running on the :class:`ReductionThread`; ``wait()`` blocks until it is done
     and returns its result (or raises what the worker raised: a transport fault, a timeout)."""
 
-    __slots__ = ("future", "numel", "clock", "what")
+    __slots__ = ("future", "numel", "clock", "what", "released")
 
     def __init__(self, future: concurrent.futures.Future, numel: int, clock: LinkWaits, what: str) -> None:
         super().__init__(torch.empty(0))
         self.future = future
+        #: gradient elements' worth of memory it holds: the unit's whole gradient until the
+        #: first part is done, then what the second part still holds (pipelined strategies)
         self.numel = numel
         self.clock = clock
         self.what = what
+        #: set once ``numel`` will not fall further (the first part done, or the whole)
+        self.released = threading.Event()
 
     def wait(self) -> torch.Tensor:
         if not self.future.done():
@@ -176,13 +183,7 @@ class ReductionThread:
         """Hand ``flat`` (which the worker then owns) to the worker, after waiting for the
         oldest reductions while a bound would be passed. ``what`` names it in traces."""
         numel = flat.numel()
-        while self._inflight and (len(self._inflight) >= self.max_inflight
-                                  or sum(r.numel for r in self._inflight) + numel > self.max_numel):
-            oldest = self._inflight.popleft()
-            if not oldest.future.done():
-                with self.clock.waiting("reduce", f"{oldest.what} (bound)"):
-                    concurrent.futures.wait([oldest.future])
-
+        self._make_room(numel)
         pending = sum(r.numel for r in self._inflight if not r.future.done())
         self.peak_numel = max(self.peak_numel, pending + numel)
         ready = None
@@ -198,24 +199,44 @@ class ReductionThread:
                 return self.reduce.start(flat, layout)
 
         if self._hop2 is None:
-            future = self._pool.submit(lambda: first().wait())
+            r = ThreadReduction(self._pool.submit(lambda: first().wait()), numel, self.clock, what)
+            r.future.add_done_callback(lambda _: r.released.set())
         else:
-            future = self._pipelined(first, flat, what)
-        r = ThreadReduction(future, numel, self.clock, what)
+            r = ThreadReduction(concurrent.futures.Future(), numel, self.clock, what)
+            self._pipelined(first, r, flat.device if flat.is_cuda else None)
         self._inflight.append(r)
         self.started += 1
         return r
 
-    def _pipelined(self, first, flat: torch.Tensor, what: str) -> concurrent.futures.Future:
+    def _make_room(self, numel: int) -> None:
+        """Wait until ``numel`` more elements fit the bounds: for the oldest reduction still
+        holding its whole gradient to finish its first part, or, past the count or with every
+        one released, for the oldest to finish (see [Note: overlapped reductions])."""
+        while self._inflight:
+            over_count = len(self._inflight) >= self.max_inflight
+            if not over_count and sum(r.numel for r in self._inflight) + numel <= self.max_numel:
+                return
+            holding = next((r for r in self._inflight if not r.released.is_set()), None)
+            if over_count or holding is None:
+                oldest = self._inflight.popleft()
+                if not oldest.future.done():
+                    with self.clock.waiting("reduce", f"{oldest.what} (bound)"):
+                        concurrent.futures.wait([oldest.future])
+            else:
+                with self.clock.waiting("reduce", f"{holding.what} (bound)"):
+                    holding.released.wait()
+
+    def _pipelined(self, first, r: ThreadReduction, device: torch.device | None) -> None:
         """Run ``first`` on the worker, then its reduction's ``wait()`` on the second worker;
-        the future is done when that is (or holds the error of either)."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        ``r.future`` is done when that is (or holds the error of either). Between the two,
+        ``r`` holds what the started reduction says it holds (``Reduction.held_numel``)."""
+        done = r.future
 
         def second(started: Reduction) -> None:
             try:
-                if flat.is_cuda:
-                    torch.cuda.set_device(flat.device)
-                with self.clock.span(f"zpp.reduce {what} (hop 2)"):
+                if device is not None:
+                    torch.cuda.set_device(device)
+                with self.clock.span(f"zpp.reduce {r.what} (hop 2)"):
                     done.set_result(started.wait())
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 done.set_exception(exc)
@@ -225,12 +246,15 @@ class ReductionThread:
                 started = first()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 done.set_exception(exc)
+                r.released.set()
                 return
+            if started.held_numel is not None:
+                r.numel = started.held_numel
+            r.released.set()
             self.hop2_started += 1
             self._hop2.submit(second, started)
 
         self._pool.submit(run)
-        return done
 
     def forget_done(self) -> None:
         """Forget the reductions that are done (their owners wait for their results)."""

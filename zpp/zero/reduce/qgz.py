@@ -49,8 +49,8 @@ class QuantizedReduceScatter(GradReduce):
             self.topology.world.reduce_scatter(out, flat, "mean")
             return Reduction(out)
         gs = min(self.group_size, layout.shard_numel)
-        work = quantized_reduce_scatter_hops(out, flat, topology=self.topology, bits=bits, group_size=gs)
-        return Reduction(out, work)
+        hops = quantized_reduce_scatter_hops(out, flat, topology=self.topology, bits=bits, group_size=gs)
+        return Reduction(out, hops.work, held_numel=-(-hops.held_bytes // 4))
 
     def __repr__(self) -> str:
         plan = f", by_nbytes={self.by_nbytes}" if self.by_nbytes else ""
