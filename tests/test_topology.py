@@ -167,6 +167,25 @@ def test_topology_of_a_sub_transport():
     assert torch.equal(out, x) and world.counters.total().wire_bytes == 0
 
 
+def test_check_metadata_reaches_the_groups_made_from_a_transport():
+    """The metadata check switched on a world whose topology was built before (a script that
+    read the topology first, a second engine) reaches the topology's groups and their own
+    topologies, both ways."""
+    for rank, nodes in ((0, [0, 0, 1, 1]), (2, [0, 0, 1, 1]), (1, [0, 1])):
+        world = _FakeTransport(rank, nodes)
+        topo = topology_of(world)
+        below = topology_of(topo.inter)
+        groups = (topo.intra, topo.inter, below.intra, below.inter)
+        assert all(g.check_metadata for g in groups)
+        world.check_metadata = False
+        assert not any(g.check_metadata for g in groups), [g.check_metadata for g in groups]
+        world.check_metadata = True
+        assert all(g.check_metadata for g in groups)
+        # a group made now takes the world's setting
+        world.check_metadata = False
+        assert not world.subgroup(range(len(nodes))).check_metadata
+
+
 # ---------------------------------------------------------------------- registry
 def test_get_transport_unknown_name_lists_choices():
     with pytest.raises(ValueError) as info:

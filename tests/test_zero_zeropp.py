@@ -163,3 +163,48 @@ def test_zeropp_one_node():
 def _gaps(r, name):
     """Per step, |loss - plain loss| / plain loss over the short runs."""
     return [abs(a - b) / b for a, b in zip(r[name + "-short-losses"], r["plain-short-losses"], strict=True)]
+
+
+def _meta_calls(t, check):
+    """Metadata all-gathers on this rank during two ZeRO++ steps, the world's topology built
+    before initialize (as a script that reads ranks per node first does)."""
+    from zpp.comm.topology import topology_of
+    from zpp.comm.torch_backend import TorchTransport
+
+    topology_of(t)
+    calls = [0]
+    plain = TorchTransport._meta_all_gather
+
+    def counted(self, out, inp):
+        calls[0] += 1
+        return plain(self, out, inp)
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT_CFG))
+    cfg = {"train_micro_batch_size_per_gpu": BATCH,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **ALL_ON},
+           "zpp": {"check_metadata": check, "unit_min_numel": 50_000}}
+    engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
+    TorchTransport._meta_all_gather = counted
+    try:
+        g = torch.Generator().manual_seed(t.rank)
+        for _ in range(2):
+            x = torch.randint(0, 64, (BATCH, GPT_CFG["block_size"]), generator=g)
+            engine.backward(engine(x, x))
+            engine.step()
+    finally:
+        TorchTransport._meta_all_gather = plain
+        engine.close()
+    return calls[0]
+
+
+@pytest.mark.timeout(120)
+def test_check_metadata_off_reaches_the_node_groups():
+    """``zpp.check_metadata: false`` silences the check on every group the engine sends over
+    (the topology's intra- and inter-node groups included, built before initialize): no
+    metadata round trip per gather, which on a slow link queues behind the bulk data."""
+    off = run_world(_meta_calls, 4, ranks_per_node=2, args=(False,), timeout=100)
+    on = run_world(_meta_calls, 4, ranks_per_node=2, args=(True,), timeout=100)
+    assert off == [0] * 4, off
+    assert all(n > 20 for n in on), on  # one per gather and reduction at least

@@ -320,7 +320,7 @@ class MpiTransport(Transport):
 
     def duplicate(self) -> MpiTransport:
         self.barrier()  # as in _subgroup: a dead peer raises here, not in Dup
-        return self._over(self.comm.Dup(), tuple(range(self.world_size)))
+        return self.derived(self._over(self.comm.Dup(), tuple(range(self.world_size))))
 
     def free(self) -> None:
         MPI = _mpi()

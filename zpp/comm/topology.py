@@ -228,8 +228,8 @@ class Topology:
             m = members[0]
             if m != world.rank:
                 return None
-            return SingleRankTransport(world.ranks[m], world.nodes[m], counters=world.counters,
-                                       check_metadata=world.check_metadata)
+            return world.derived(SingleRankTransport(world.ranks[m], world.nodes[m], counters=world.counters,
+                                                     check_metadata=world.check_metadata))
 
         intra = inter = None
         for node in range(n):

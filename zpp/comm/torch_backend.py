@@ -382,7 +382,7 @@ class TorchTransport(Transport):
         reverse = None
         if self.world_size > 1 and self.gloo_duplex and "gloo" in self.backend:
             reverse = self._new_group(list(self.ranks))
-        return self._child(group, tuple(range(self.world_size)), _Reverse(reverse))
+        return self.derived(self._child(group, tuple(range(self.world_size)), _Reverse(reverse)))
 
     def _child(
         self, group: dist.ProcessGroup, members: tuple[int, ...], reverse: _Reverse | None = None

@@ -39,6 +39,7 @@ on every transport of that world refuses calls with ``RuntimeError``.
 from __future__ import annotations
 
 import abc
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -108,6 +109,9 @@ class Transport(abc.ABC):
         nodes: node index of each member, in group order (drives intra/inter accounting).
         counters: wire-byte counters, shared with sub-transports.
         check_metadata: run the cross-rank size check before each call (Default: True).
+            Setting it sets it on the transports made from this one as well (its
+            sub-groups, the groups of its topology, its duplicates), so one switch governs
+            every call a layer above makes.
         faults: the world's fault channel (see [Note: failures]), shared with
             sub-transports; None for a transport made without one.
     """
@@ -140,12 +144,33 @@ class Transport(abc.ABC):
         self.ranks = tuple(ranks)
         self.nodes = tuple(nodes)
         self.counters = counters if counters is not None else WireCounters()
+        self._derived: weakref.WeakSet[Transport] = weakref.WeakSet()
         self.check_metadata = check_metadata
         self._inflight: list[Work] = []
         self.faults: FaultChannel | None = None
         self._broken: str | None = None  # the first failure, when there is no fault channel
         self._calls = 0  # public calls so far; see [Note: failures]
         self._call_op = "(no call yet)"  # the current (or last) public call
+
+    @property
+    def check_metadata(self) -> bool:
+        """See [Note: metadata check]."""
+        return self._check_metadata
+
+    @check_metadata.setter
+    def check_metadata(self, on: bool) -> None:
+        self._check_metadata = bool(on)
+        for t in list(self._derived):
+            t.check_metadata = on
+
+    def derived(self, t: Transport | None) -> Transport | None:
+        """Record ``t``, made from this transport over some of its ranks (a sub-group, a
+        duplicate, a topology's one-rank group), so that :attr:`check_metadata` set here
+        reaches it; returns ``t``."""
+        if t is not None and t is not self:
+            t.check_metadata = self.check_metadata
+            self._derived.add(t)
+        return t
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
@@ -184,7 +209,7 @@ class Transport(abc.ABC):
         m = tuple(sorted(int(r) for r in members))
         if not m or len(set(m)) != len(m) or m[0] < 0 or m[-1] >= self.world_size:
             raise ValueError(f"subgroup members {list(members)} invalid for world_size={self.world_size}")
-        return self._subgroup(m)
+        return self.derived(self._subgroup(m))
 
     def duplicate(self) -> Transport:
         """A transport over the same ranks with a communicator of its own (collective: every
