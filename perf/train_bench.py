@@ -57,6 +57,8 @@ VARIANTS = {
     # the reductions in line (overlap_comm is on by default at stage 3): the side-by-side rows
     "zero3-inline": {"stage": 3, "overlap_comm": False},
     "zero3-zeropp-inline": {"stage": 3, **_ZEROPP, "overlap_comm": False},
+    # qwZ with int4 codes instead of int8 (half the forward gathers' bytes)
+    "zero3-zeropp-w4": {"stage": 3, **_ZEROPP, "zpp": {"weight_bits": 4}},
     # qgZ's two hops on one reduction thread instead of pipelined over two
     "zero3-zeropp-1worker": {"stage": 3, **_ZEROPP, "zpp": {"pipeline_reductions": False}},
     # the weight gathers in two hops (zpp.hierarchical_gather: ZeRO++'s default) or in one
