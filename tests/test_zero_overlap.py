@@ -251,13 +251,14 @@ def test_a_closed_engine_frees_its_duplicate_communicators_mpi():
 
 class _Pipelined:
     """A fake pipelined strategy: ``start`` and the ``wait()`` it leaves behind record their
-    thread; the second part of reduction 0 holds until reduction 1's ``start`` has begun
-    (which only a second worker allows); ``start`` of ``fail_at`` raises."""
+    thread; the second part of reduction 0 holds (up to ``hold_s``) until reduction ``gate``'s
+    ``start`` has begun (which only a second worker allows); ``start`` of ``fail_at`` raises;
+    ``held`` is what each second part says it holds (``Reduction.held_numel``)."""
 
     pipelined = True
 
-    def __init__(self, fail_at=None):
-        self.log, self.fail_at = [], fail_at
+    def __init__(self, fail_at=None, gate=1, hold_s=10, held=None):
+        self.log, self.fail_at, self.gate, self.hold_s, self.held = [], fail_at, gate, hold_s, held
         self.began = {i: threading.Event() for i in range(8)}
 
     def start(self, flat, layout):
@@ -268,13 +269,13 @@ class _Pipelined:
             raise RuntimeError(f"start {i} failed")
 
         def second():
-            if i == 0 and not self.began[1].wait(10):
-                raise RuntimeError("reduction 1 did not start while reduction 0's second part ran")
+            if i == 0 and not self.began[self.gate].wait(self.hold_s):
+                raise RuntimeError(f"reduction {self.gate} did not start while reduction 0's second part ran")
             self.log.append(("wait", i, threading.current_thread().name))
 
         from zpp.comm.transport import Work
         from zpp.zero.comm_api import Reduction
-        return Reduction(flat * 2, Work("fake", second, asynchronous=False))
+        return Reduction(flat * 2, Work("fake", second, asynchronous=False), held_numel=self.held)
 
 
 class _NoWorld:
@@ -315,29 +316,6 @@ def test_a_pipelined_reduction_hands_on_its_error():
     assert worker.hop2_started == 3
 
 
-class _Held:
-    """A fake pipelined strategy whose second part holds nothing (``held_numel=0``); the second
-    part of reduction 0 holds until reduction 2's ``start`` has begun."""
-
-    pipelined = True
-
-    def __init__(self, held):
-        self.held = held
-        self.began = {i: threading.Event() for i in range(4)}
-
-    def start(self, flat, layout):
-        i = int(flat[0])
-        self.began[i].set()
-
-        def second():
-            if i == 0 and not self.began[2].wait(5):
-                raise RuntimeError("reduction 2 did not start while reduction 0's second part ran")
-
-        from zpp.comm.transport import Work
-        from zpp.zero.comm_api import Reduction
-        return Reduction(flat.clone(), Work("fake", second, asynchronous=False), held_numel=self.held)
-
-
 @pytest.mark.parametrize("held", [0, None])
 def test_the_memory_bound_counts_what_a_second_part_still_holds(held):
     """Room for one unit's gradient: with the first parts done and their second parts holding
@@ -345,12 +323,12 @@ def test_the_memory_bound_counts_what_a_second_part_still_holds(held):
     second part that holds the whole gradient (None) makes reduction 2 wait for 0 instead."""
     from zpp.zero.reduce.overlap import LinkWaits, ReductionThread
 
-    reduce = _Held(held)
+    reduce = _Pipelined(gate=2, hold_s=5, held=held)
     worker = ReductionThread(reduce, world=_NoWorld(), max_numel=4, clock=LinkWaits())
     started = [worker.start(torch.full((4,), float(i)), None, f"unit {i}") for i in range(3)]
     if held == 0:
         for i, r in enumerate(started):
-            assert torch.equal(r.wait(), torch.full((4,), float(i)))
+            assert torch.equal(r.wait(), torch.full((4,), 2.0 * i))
     else:
         with pytest.raises(RuntimeError, match="reduction 2 did not start"):
             started[0].wait()

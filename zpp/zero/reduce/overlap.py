@@ -148,8 +148,9 @@ class ReductionThread:
         reduce: the gradient reduction, built over ``comms`` (the duplicate).
         world: that duplicate of the world; the thread owns it and frees it at :meth:`close`.
         max_inflight: reductions started and not done, at most (>= 1).
-        max_numel: gradient elements started and not done, at most (one reduction larger than
-            this still runs, alone); the engine sets it once its units are planned.
+        max_numel: gradient elements held by reductions started and not done, at most
+            (:attr:`ThreadReduction.numel`; one reduction larger than this still runs,
+            alone); the engine sets it once its units are planned.
         clock: where the time the training thread waits is booked.
         pipeline: run a :attr:`~zpp.zero.comm_api.GradReduce.pipelined` strategy's second
             part on a second worker (``zpp.pipeline_reductions``); False: every reduction
@@ -172,9 +173,10 @@ class ReductionThread:
         self._inflight: collections.deque[ThreadReduction] = collections.deque()
         #: reductions run on the worker so far (the bench and tests read it)
         self.started = 0
-        #: the most gradient elements handed to the worker and not yet reduced at once, the
-        #: new one included (each is a unit's full gradient, held until its reduction is done;
-        #: perf/memory_bench.py reports it beside the resident peak)
+        #: the most gradient elements held at once by reductions handed to the worker and not
+        #: yet done, the new one included (each a unit's full gradient until its reduction,
+        #: or a pipelined one's first part, is done; perf/memory_bench.py reports it beside
+        #: the resident peak)
         self.peak_numel = 0
         #: reductions whose second part ran on the second worker (pipelined strategies)
         self.hop2_started = 0
