@@ -173,7 +173,7 @@ def _dead_peer_world(t: Transport, mode: str, timeout_s: float):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend,mode", [("torch", "hang"), pytest.param("mpi", "exit", marks=needs_mpi, id="mpi")])
+@pytest.mark.parametrize("backend,mode", [("torch", "hang"), pytest.param("mpi", "exit", marks=[*needs_mpi, pytest.mark.slow], id="mpi")])
 def test_dead_peer_raises_in_wait(backend, mode):
     timeout_s = 4.0
     results = run_world(_dead_peer_world, 2, backend=backend, args=(mode, timeout_s),

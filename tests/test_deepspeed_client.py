@@ -25,7 +25,7 @@ import zpp.zero as zz
 from tests.dist import run_world
 from tests.gpt import GPT, GPTConfig
 
-WORLDS = [pytest.param(2, None, id="2ranks"), pytest.param(4, 2, id="2x2")]
+WORLDS = [pytest.param(2, None, id="2ranks"), pytest.param(4, 2, id="2x2", marks=pytest.mark.slow)]
 MICRO, STEPS, VOCAB = 2, 8, 128
 RTOL = 1e-5
 

@@ -197,6 +197,7 @@ def _world_zeropp(t):
     return {f"zeropp-{v}": _case(t, _ds(3, zero=zero), 2, v, bad_rank=2) for v in BAD}
 
 
+@pytest.mark.slow  # 12 s; test_nonfinite_skipped_at_every_stage stays in the quick lane
 @pytest.mark.timeout(300)
 def test_nonfinite_skipped_with_zeropp_2x2():
     res = run_world(_world_zeropp, 4, ranks_per_node=2, timeout=260)

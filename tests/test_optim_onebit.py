@@ -340,7 +340,7 @@ def _all_checks(t):
     return True
 
 
-WORLDS = [("torch", 2), ("torch", 4), pytest.param("mpi", 2, marks=needs_mpi)]
+WORLDS = [("torch", 2), pytest.param("torch", 4, marks=pytest.mark.slow), pytest.param("mpi", 2, marks=needs_mpi)]
 
 
 @pytest.mark.timeout(240)

@@ -123,6 +123,14 @@ def _run_bash_line(line: str, cwd: Path) -> None:
                 assert f"= {nodes} nodes x {per_node} ranks per node" in res.stdout, (line, res.stdout[:600])
 
 
+def _is_slow(block) -> bool:
+    """The quick lane leaves out the blocks that run `zpp bench` (30 s each) and the 4-rank worlds."""
+    if block["lang"] == "bash":
+        return "zpp bench" in block["code"]
+    parts = block["directive"].split()
+    return parts[:1] == ["torchrun"] and len(parts) > 1 and int(parts[1]) >= 4
+
+
 def _params():
     out = []
     for b in BLOCKS:
@@ -134,6 +142,8 @@ def _params():
             marks.append(pytest.mark.cluster)
         elif kind not in ("", "torchrun"):
             raise ValueError(f"README line {b['line']}: unknown readme-test directive {b['directive']!r}")
+        if _is_slow(b):
+            marks.append(pytest.mark.slow)
         out.append(pytest.param(b, id=f"{b['lang']}-line{b['line']}", marks=marks))
     return out
 

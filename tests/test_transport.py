@@ -234,7 +234,7 @@ def _dead_peer_world(t: Transport, mode: str, timeout_s: float):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "backend,mode",
-    [("torch", "exit"), ("torch", "hang"), pytest.param("mpi", "exit", marks=needs_mpi, id="mpi-exit")],
+    [("torch", "exit"), ("torch", "hang"), pytest.param("mpi", "exit", marks=[*needs_mpi, pytest.mark.slow], id="mpi-exit")],
 )
 def test_dead_peer_raises_within_timeout(backend, mode):
     timeout_s = 5.0

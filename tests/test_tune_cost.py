@@ -292,7 +292,8 @@ ZERO_MODES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("threshold, gas", [(0, 1), (1000, 1), (1000, 2)])
+@pytest.mark.parametrize("threshold, gas", [(0, 1), pytest.param(1000, 1, marks=pytest.mark.slow),
+                                             pytest.param(1000, 2, marks=pytest.mark.slow)])
 def test_bytes_equal_the_counters(threshold, gas):
     """Every mode's bytes per optimizer step, predicted from the engine's units alone, equal
     what the transport counted: exact, inter- and intra-node, with and without persistent

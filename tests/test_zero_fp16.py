@@ -324,7 +324,7 @@ def _world_stages(t, zeropp):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("world,rpn", [(2, None), (4, 2)], ids=["2ranks", "2x2"])
+@pytest.mark.parametrize("world,rpn", [(2, None), pytest.param(4, 2, marks=pytest.mark.slow)], ids=["2ranks", "2x2"])
 def test_fp16_stages_match_reference(world, rpn):
     res = run_world(_world_stages, world, ranks_per_node=rpn, args=(rpn is not None,), timeout=380)
     steps = [[rec[1:] for rec in r["records"]] for r in res]  # the losses are each rank's own

@@ -42,6 +42,7 @@ def _engine_world(t):
     return out
 
 
+@pytest.mark.slow  # 16 s; tests/test_zero_overlap.py keeps an MPI engine in the quick lane
 @pytest.mark.timeout(630)  # two worlds of up to 300 s each
 def test_engine_on_mpi_matches_torch():
     mpi = run_world(_engine_world, 4, backend="mpi", ranks_per_node=2, timeout=300)

@@ -424,7 +424,7 @@ def _world_b(t, tmp):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=needs_mpi)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=[*needs_mpi, pytest.mark.slow])])
 def test_outer_streaming_and_resume(tmp_path, backend):
     """Both transports (gloo, and MPI under mpiexec, the background sync thread included)."""
     res = run_world(_world_b, NODES * PER_NODE, backend=backend, ranks_per_node=PER_NODE, args=(str(tmp_path),),
@@ -749,6 +749,7 @@ def _auto_delay(t, tmp, slow_s):
     return out
 
 
+@pytest.mark.slow  # 9 s
 @pytest.mark.timeout(200)
 def test_delay_auto_covers_the_slowest_sync_and_every_rank_agrees(tmp_path):
     import json

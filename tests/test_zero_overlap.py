@@ -242,6 +242,7 @@ def test_a_closed_engine_frees_its_duplicate_worlds(name):
         assert max(fds) <= fds[0] + 2, held
 
 
+@pytest.mark.slow  # 9 s
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(not mpi_available(), reason="needs mpiexec and mpi4py")
 def test_a_closed_engine_frees_its_duplicate_communicators_mpi():
