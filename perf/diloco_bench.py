@@ -50,6 +50,9 @@ import runinfo  # noqa: E402
 import trainlib  # noqa: E402
 
 VARIANTS = ("ddp", "zero3-zeropp", "onebitadam", "diloco")
+#: more variants for ``--variants`` (not run by default): the loss cost of what the link
+#: carries, against DDP and each other (issue 25: int4 forward weights)
+EXTRA_VARIANTS = ("zero3", "zero3-zeropp-w4")
 LR = 1e-3
 
 
@@ -100,10 +103,15 @@ def _build(name, model, t, args):
 
     adamw = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
     zpp_section: dict = {"check_metadata": False}
-    if name == "zero3-zeropp":
+    if name == "zero3":  # uncompressed stage 3
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        optimizer = adamw
+    elif name in ("zero3-zeropp", "zero3-zeropp-w4"):
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
                 "zero_quantized_gradients": True, "zero_hpz_partition_size": topology_of(t).ranks_per_node}
         optimizer = adamw
+        if name == "zero3-zeropp-w4":
+            zpp_section["weight_bits"] = 4
     elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
         zero = {"stage": 0}
         optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}
@@ -248,7 +256,7 @@ def plot(runs: list[dict], png: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 8), squeeze=False)
-    colors = dict(zip(VARIANTS, ("C0", "C1", "C2", "C3"), strict=True))
+    colors = dict(zip(VARIANTS + EXTRA_VARIANTS, ("C0", "C1", "C2", "C3", "C4", "C5"), strict=True))
     for col, run in enumerate(runs):
         window = run["args"]["window"]
         for r in run["rows"]:
@@ -312,7 +320,7 @@ def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     trainlib.add_model_args(p, n_layer=4, n_embd=256, block=128, batch=4, steps=500, warmup=0)  # no warm-up:
     # every step counts towards the wall time
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS + EXTRA_VARIANTS)}")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (model initialisation and data)")
     p.add_argument("--window", type=int, default=20, help="steps the loss is averaged over")
     p.add_argument("--label", default="", help="what the run was (a link rate); shown in the plot")
@@ -349,7 +357,7 @@ def main(argv=None):
                 runs.append(json.load(f))
         plot(runs, args.png)
         return
-    trainlib.parse_variants(p, args, VARIANTS)
+    trainlib.parse_variants(p, args, VARIANTS + EXTRA_VARIANTS)
     if args.target_from and "ddp" in args.variants:
         p.error("--target-from takes DDP's rows from that file: leave ddp out of --variants")
     if args.model != "gpt":
