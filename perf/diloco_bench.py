@@ -52,7 +52,7 @@ import trainlib  # noqa: E402
 VARIANTS = ("ddp", "zero3-zeropp", "onebitadam", "diloco")
 #: more variants for ``--variants`` (not run by default): the loss cost of what the link
 #: carries, against DDP and each other (issue 25: int4 forward weights)
-EXTRA_VARIANTS = ("zero3", "zero3-zeropp-w4")
+EXTRA_VARIANTS = ("zero3", "zero3-zeropp-w4", "zero3-zeropp-w4-g128")
 LR = 1e-3
 
 
@@ -106,12 +106,14 @@ def _build(name, model, t, args):
     if name == "zero3":  # uncompressed stage 3
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
         optimizer = adamw
-    elif name in ("zero3-zeropp", "zero3-zeropp-w4"):
+    elif name.startswith("zero3-zeropp"):
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
                 "zero_quantized_gradients": True, "zero_hpz_partition_size": topology_of(t).ranks_per_node}
         optimizer = adamw
-        if name == "zero3-zeropp-w4":
+        if name.startswith("zero3-zeropp-w4"):
             zpp_section["weight_bits"] = 4
+        if name.endswith("-g128"):  # a scale per 128 weights instead of 2048: 4.25 bits per weight
+            zpp_section["weight_group_size"] = 128
     elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
         zero = {"stage": 0}
         optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}
@@ -256,7 +258,7 @@ def plot(runs: list[dict], png: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 8), squeeze=False)
-    colors = dict(zip(VARIANTS + EXTRA_VARIANTS, ("C0", "C1", "C2", "C3", "C4", "C5"), strict=True))
+    colors = dict(zip(VARIANTS + EXTRA_VARIANTS, ("C0", "C1", "C2", "C3", "C4", "C5", "C6"), strict=True))
     for col, run in enumerate(runs):
         window = run["args"]["window"]
         for r in run["rows"]:

@@ -59,6 +59,8 @@ VARIANTS = {
     "zero3-zeropp-inline": {"stage": 3, **_ZEROPP, "overlap_comm": False},
     # qwZ with int4 codes instead of int8 (half the forward gathers' bytes)
     "zero3-zeropp-w4": {"stage": 3, **_ZEROPP, "zpp": {"weight_bits": 4}},
+    # the same with a scale per 128 weights instead of 2048 (4.25 bits per weight on the wire)
+    "zero3-zeropp-w4-g128": {"stage": 3, **_ZEROPP, "zpp": {"weight_bits": 4, "weight_group_size": 128}},
     # qgZ's two hops on one reduction thread instead of pipelined over two
     "zero3-zeropp-1worker": {"stage": 3, **_ZEROPP, "zpp": {"pipeline_reductions": False}},
     # the weight gathers in two hops (zpp.hierarchical_gather: ZeRO++'s default) or in one
