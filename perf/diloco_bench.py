@@ -52,7 +52,8 @@ import trainlib  # noqa: E402
 VARIANTS = ("ddp", "zero3-zeropp", "onebitadam", "diloco")
 #: more variants for ``--variants`` (not run by default): the loss cost of what the link
 #: carries, against DDP and each other (issue 25: int4 forward weights)
-EXTRA_VARIANTS = ("zero3", "zero3-qwz", "zero3-qgz", "zero3-zeropp-w4", "zero3-zeropp-w4-g128")
+EXTRA_VARIANTS = ("zero3", "zero3-qwz", "zero3-qgz", "zero3-qgz-gg128", "zero3-qgz-gg512", "zero3-zeropp-gg512",
+                  "zero3-zeropp-w4", "zero3-zeropp-w4-g128")
 LR = 1e-3
 
 
@@ -103,9 +104,10 @@ def _build(name, model, t, args):
 
     adamw = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
     zpp_section: dict = {"check_metadata": False}
-    if name in ("zero3", "zero3-qwz", "zero3-qgz"):  # uncompressed stage 3, or one of ZeRO++'s quantizers
+    if name == "zero3" or name.startswith(("zero3-qwz", "zero3-qgz")):  # uncompressed, or one of ZeRO++'s quantizers
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0,
-                "zero_quantized_weights": name == "zero3-qwz", "zero_quantized_gradients": name == "zero3-qgz"}
+                "zero_quantized_weights": name.startswith("zero3-qwz"),
+                "zero_quantized_gradients": name.startswith("zero3-qgz")}
         optimizer = adamw
     elif name.startswith("zero3-zeropp"):
         zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
@@ -115,6 +117,8 @@ def _build(name, model, t, args):
             zpp_section["weight_bits"] = 4
         if name.endswith("-g128"):  # a scale per 128 weights instead of 2048: 4.25 bits per weight
             zpp_section["weight_group_size"] = 128
+    if "-gg" in name:  # a scale per N gradient entries instead of 2048 (qgZ)
+        zpp_section["gradient_group_size"] = int(name.rsplit("-gg", 1)[1])
     elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
         zero = {"stage": 0}
         optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}
@@ -259,7 +263,7 @@ def plot(runs: list[dict], png: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 8), squeeze=False)
-    colors = dict(zip(VARIANTS + EXTRA_VARIANTS, ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8"), strict=True))
+    colors = {v: f"C{i % 10}" for i, v in enumerate(VARIANTS + EXTRA_VARIANTS)}
     for col, run in enumerate(runs):
         window = run["args"]["window"]
         for r in run["rows"]:
