@@ -52,7 +52,7 @@ import trainlib  # noqa: E402
 VARIANTS = ("ddp", "zero3-zeropp", "onebitadam", "diloco")
 #: more variants for ``--variants`` (not run by default): the loss cost of what the link
 #: carries, against DDP and each other (issue 25: int4 forward weights)
-EXTRA_VARIANTS = ("zero3", "zero3-qwz", "zero3-qgz", "zero3-qgz-gg128", "zero3-qgz-gg512", "zero3-zeropp-gg512",
+EXTRA_VARIANTS = ("zero3", "zero3-qwz", "zero3-qgz", "zero3-qgz-gg128", "zero3-qgz-gg512", "zero3-zeropp-gg128", "zero3-zeropp-gg512",
                   "zero3-zeropp-w4", "zero3-zeropp-w4-g128")
 LR = 1e-3
 
