@@ -52,7 +52,8 @@ import trainlib  # noqa: E402
 VARIANTS = ("ddp", "zero3-zeropp", "onebitadam", "diloco")
 #: more variants for ``--variants`` (not run by default): the loss cost of what the link
 #: carries, against DDP and each other (issue 25: int4 forward weights)
-EXTRA_VARIANTS = ("zero3", "zero3-qwz", "zero3-qgz", "zero3-qgz-gg128", "zero3-qgz-gg512", "zero3-zeropp-gg128", "zero3-zeropp-gg512",
+EXTRA_VARIANTS = ("zero3", "zero3-qwz", "zero3-qgz", "zero3-qgz-gg128", "zero3-qgz-gg512", "zero3-qgz-gg2048",
+                  "zero3-zeropp-gg128", "zero3-zeropp-gg512", "zero3-zeropp-gg2048",
                   "zero3-zeropp-w4", "zero3-zeropp-w4-g128")
 LR = 1e-3
 
@@ -117,8 +118,6 @@ def _build(name, model, t, args):
             zpp_section["weight_bits"] = 4
         if name.endswith("-g128"):  # a scale per 128 weights instead of 2048: 4.25 bits per weight
             zpp_section["weight_group_size"] = 128
-    if "-gg" in name:  # a scale per N gradient entries instead of 2048 (qgZ)
-        zpp_section["gradient_group_size"] = int(name.rsplit("-gg", 1)[1])
     elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
         zero = {"stage": 0}
         optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}
@@ -126,6 +125,8 @@ def _build(name, model, t, args):
         zero = {"stage": args.inner_stage, "stage3_param_persistence_threshold": 0}
         optimizer = adamw
         zpp_section["outer"] = _outer(args)
+    if "-gg" in name:  # qgZ with a scale per N gradient entries
+        zpp_section["gradient_group_size"] = int(name.rsplit("-gg", 1)[1])
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "optimizer": optimizer, "zero_optimization": zero,
            "zpp": zpp_section}
     if schedule:
