@@ -81,6 +81,42 @@ def scheduler_config(args) -> dict | None:
         "warmup_min_ratio": 0.0, "cos_min_ratio": args.lr_min_ratio}}
 
 
+def engine_config(name: str, args, ranks_per_node: int) -> dict:
+    """The DeepSpeed-style config of a zpp variant (every name but ``ddp``)."""
+    if name not in VARIANTS + EXTRA_VARIANTS or name == "ddp":
+        raise ValueError(f"variant {name!r} is not a zpp variant of {list(VARIANTS + EXTRA_VARIANTS)}")
+    schedule = scheduler_config(args)
+    adamw = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
+    zpp_section: dict = {"check_metadata": False}
+    if name == "zero3" or name.startswith(("zero3-qwz", "zero3-qgz")):  # uncompressed, or one of ZeRO++'s quantizers
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0,
+                "zero_quantized_weights": name.startswith("zero3-qwz"),
+                "zero_quantized_gradients": name.startswith("zero3-qgz")}
+        optimizer = adamw
+    elif name.startswith("zero3-zeropp"):
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
+                "zero_quantized_gradients": True, "zero_hpz_partition_size": ranks_per_node}
+        optimizer = adamw
+        if name.startswith("zero3-zeropp-w4"):
+            zpp_section["weight_bits"] = 4
+        if name.endswith("-g128"):  # a scale per 128 weights instead of 2048: 4.25 bits per weight
+            zpp_section["weight_group_size"] = 128
+    elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
+        zero = {"stage": 0}
+        optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}
+    else:  # diloco: ZeRO inside the node, the outer sync across
+        zero = {"stage": args.inner_stage, "stage3_param_persistence_threshold": 0}
+        optimizer = adamw
+        zpp_section["outer"] = _outer(args)
+    if "-gg" in name:  # qgZ with a scale per N gradient entries
+        zpp_section["gradient_group_size"] = int(name.rsplit("-gg", 1)[1])
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "optimizer": optimizer, "zero_optimization": zero,
+           "zpp": zpp_section}
+    if schedule:
+        cfg["scheduler"] = schedule
+    return cfg
+
+
 def _build(name, model, t, args):
     """(net, backward(loss), step(), engine or None) for one variant."""
     schedule = scheduler_config(args)
@@ -103,34 +139,7 @@ def _build(name, model, t, args):
     import zpp.zero as zz
     from zpp.comm.topology import topology_of
 
-    adamw = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
-    zpp_section: dict = {"check_metadata": False}
-    if name == "zero3" or name.startswith(("zero3-qwz", "zero3-qgz")):  # uncompressed, or one of ZeRO++'s quantizers
-        zero = {"stage": 3, "stage3_param_persistence_threshold": 0,
-                "zero_quantized_weights": name.startswith("zero3-qwz"),
-                "zero_quantized_gradients": name.startswith("zero3-qgz")}
-        optimizer = adamw
-    elif name.startswith("zero3-zeropp"):
-        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_weights": True,
-                "zero_quantized_gradients": True, "zero_hpz_partition_size": topology_of(t).ranks_per_node}
-        optimizer = adamw
-        if name.startswith("zero3-zeropp-w4"):
-            zpp_section["weight_bits"] = 4
-        if name.endswith("-g128"):  # a scale per 128 weights instead of 2048: 4.25 bits per weight
-            zpp_section["weight_group_size"] = 128
-    elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
-        zero = {"stage": 0}
-        optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}
-    else:  # diloco: ZeRO inside the node, the outer sync across
-        zero = {"stage": args.inner_stage, "stage3_param_persistence_threshold": 0}
-        optimizer = adamw
-        zpp_section["outer"] = _outer(args)
-    if "-gg" in name:  # qgZ with a scale per N gradient entries
-        zpp_section["gradient_group_size"] = int(name.rsplit("-gg", 1)[1])
-    cfg = {"train_micro_batch_size_per_gpu": args.batch, "optimizer": optimizer, "zero_optimization": zero,
-           "zpp": zpp_section}
-    if schedule:
-        cfg["scheduler"] = schedule
+    cfg = engine_config(name, args, topology_of(t).ranks_per_node)
     engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
     return engine, engine.backward, engine.step, engine
 

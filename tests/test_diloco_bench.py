@@ -3,26 +3,17 @@ docstring): the windowed loss, the target taken from DDP's last step of the same
 time to reach it, and the plot of two runs side by side."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.perf_module import perf_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "perf"))
-    try:
-        spec = importlib.util.spec_from_file_location("diloco_bench", ROOT / "perf" / "diloco_bench.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+    with perf_module("diloco_bench") as mod:
         yield mod
-    finally:
-        sys.path.remove(str(ROOT / "perf"))
 
 
 def _row(variant, seed, losses, step_s):
@@ -85,3 +76,32 @@ def test_targets_from_an_earlier_run(bench, tmp_path):
         bench.with_targets_from(str(path), [0, 2])
     with pytest.raises(SystemExit):
         bench.main(["--variants", "ddp,diloco", "--target-from", str(path)])
+
+
+def _args(bench, **kw):
+    args = bench.parser().parse_args([])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_every_variant_gets_its_own_config(bench):
+    """Each zpp variant's config says what its name says (a misplaced branch once ran
+    zero3-zeropp as the hierarchical mode)."""
+    args = _args(bench)
+    zero = {n: bench.engine_config(n, args, 2) for n in bench.VARIANTS + bench.EXTRA_VARIANTS if n != "ddp"}
+    for name, cfg in zero.items():
+        z, zpp = cfg["zero_optimization"], cfg["zpp"]
+        assert ("outer" in zpp) == (name == "diloco"), name
+        if name.startswith("zero3"):
+            assert z["stage"] == 3, name
+            assert z.get("zero_quantized_weights", False) == ("zeropp" in name or "qwz" in name), name
+            assert z.get("zero_quantized_gradients", False) == ("zeropp" in name or "qgz" in name), name
+            assert z.get("zero_hpz_partition_size", 1) == (2 if "zeropp" in name else 1), name
+    assert zero["zero3-zeropp"]["zpp"] == {"check_metadata": False}  # the engine's defaults
+    assert zero["zero3-zeropp-gg2048"]["zpp"]["gradient_group_size"] == 2048
+    assert zero["zero3-qgz-gg128"]["zpp"]["gradient_group_size"] == 128
+    assert zero["zero3-zeropp-w4-g128"]["zpp"] == {"check_metadata": False, "weight_bits": 4, "weight_group_size": 128}
+    assert zero["onebitadam"]["zero_optimization"] == {"stage": 0}
+    with pytest.raises(ValueError, match="'ddp'"):
+        bench.engine_config("ddp", args, 2)
