@@ -64,9 +64,12 @@ def test_zeropp_by_hand():
     q = 2048 + 4
     # hpZ: the backward gathers the node's secondary shards, 8192 / 2 elements, to the local peer
     hpz = 4096 * 4
-    # qgZ: hop 1 sends half of W * chunk = 8192 int4 codes (4096 B) and 4 scales (16 B) to the
-    # local peer; hop 2 half of N * chunk = 4096 codes (2048 B) and 2 scales to the remote peer
-    qgz_intra, qgz_inter = 4096 // 2 + 16 // 2, 2048 // 2 + 8 // 2
+    # qgZ (groups of G = 128): hop 1 sends half of W * chunk = 8192 int4 codes (4096 B) and
+    # their 8192 / G fp32 scales to the local peer; hop 2 half of N * chunk = 4096 codes
+    # (2048 B) and 4096 / G scales to the remote peer
+    G = 128
+    assert cost.MODES["zero3-zeropp"].gradient_group_size == G
+    qgz_intra, qgz_inter = 4096 // 2 + 4 * (8192 // G) // 2, 2048 // 2 + 4 * (4096 // G) // 2
     assert inter == q + qgz_inter + 8
     assert intra == 2 * q + hpz + qgz_intra + 4
 

@@ -98,6 +98,7 @@ from zpp.quant.types import quantized_nbytes
 from zpp.tune.links import LINKS, Link
 from zpp.zero.checks import check_int, check_number
 from zpp.zero.shard import SHARD_ALIGN
+from zpp.zero.config import DEFAULT_GRADIENT_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
 
 __all__ = [
     "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
@@ -160,8 +161,8 @@ class Mode:
     overlap_comm: bool | None = None
     """Gradient reductions on the reduction thread (``overlap_comm``; None: the engine's
     default, on at stage 3)."""
-    weight_group_size: int = 2048
-    gradient_group_size: int = 2048
+    weight_group_size: int = DEFAULT_WEIGHT_GROUP_SIZE
+    gradient_group_size: int = DEFAULT_GRADIENT_GROUP_SIZE
 
     @property
     def two_hop_gathers(self) -> bool:

@@ -52,6 +52,13 @@ QUANT_BITS = (4, 8)
 #: The code widths without a plan, and without ``zpp.weight_bits`` / ``zpp.gradient_bits``.
 DEFAULT_WEIGHT_BITS = 8
 DEFAULT_GRADIENT_BITS = 4
+#: qwZ elements per fp32 scale
+DEFAULT_WEIGHT_GROUP_SIZE = 2048
+#: qgZ elements per fp32 scale: int4 gradients in groups of 2048 cost 1.2-1.7% of the loss at
+#: equal tokens against DDP on a 0.8M GPT, groups of 128 0.1-0.3% for 6% more qgZ bytes
+#: (perf/BENCHMARKS.md, "The loss cost of ZeRO++'s quantizers"); DeepSpeed's qgZ groups one
+#: row of a gradient (the smaller dimension), about the hidden size
+DEFAULT_GRADIENT_GROUP_SIZE = 128
 NONFINITE = ("skip", "raise")
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class LeafModuleConfig:
@@ -183,10 +190,12 @@ class ZppConfig:
     gradient_bits: int | None = None
     """qgZ code width, 4 or 8; None: the tune plan's choice for each reduce-scatter size,
     else 4. Set and contradicted by the plan: ``ValueError`` at initialize (Default: None)."""
-    weight_group_size: int = 2048
+    weight_group_size: int = DEFAULT_WEIGHT_GROUP_SIZE
     """qwZ elements per fp32 scale; capped at the shard size (Default: 2048)."""
-    gradient_group_size: int = 2048
-    """qgZ elements per fp32 scale; capped at the shard size (Default: 2048)."""
+    gradient_group_size: int = DEFAULT_GRADIENT_GROUP_SIZE
+    """qgZ elements per fp32 scale, in both hops; capped at the shard size. Int4 codes in
+    groups of 128 are 4.25 bits per entry (2048: 4.02) and cost a fifth of the loss of groups
+    of 2048 (see ``DEFAULT_GRADIENT_GROUP_SIZE``) (Default: 128)."""
     unit_min_numel: int | None = None
     """Stage 3, size-based units: a module becomes a unit (gathered and released as one)
     once its subtree holds this many parameters not yet in a unit; smaller children join
