@@ -61,6 +61,8 @@ VARIANTS = {
     "zero3-zeropp-w4": {"stage": 3, **_ZEROPP, "zpp": {"weight_bits": 4}},
     # the same with a scale per 128 weights instead of 2048 (4.25 bits per weight on the wire)
     "zero3-zeropp-w4-g128": {"stage": 3, **_ZEROPP, "zpp": {"weight_bits": 4, "weight_group_size": 128}},
+    # qgZ with a scale per 2048 gradient entries (the default before 2026-12-07: 128)
+    "zero3-zeropp-gg2048": {"stage": 3, **_ZEROPP, "zpp": {"gradient_group_size": 2048}},
     # qgZ's two hops on one reduction thread instead of pipelined over two
     "zero3-zeropp-1worker": {"stage": 3, **_ZEROPP, "zpp": {"pipeline_reductions": False}},
     # the weight gathers in two hops (zpp.hierarchical_gather: ZeRO++'s default) or in one
