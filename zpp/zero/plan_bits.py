@@ -133,8 +133,11 @@ def _describe(plan: TunePlan, use: _Use, bits: Mapping[int, int | None], units: 
     given = (f"zpp.{use.key}={explicit} agrees" if explicit is not None
              else f"zpp.{use.key} is unset (without a plan: {use.default})")
     group = getattr(config.zpp, use.group_key)
-    group_note = (f"; the plan measured groups of {plan.group_size}, zpp.{use.group_key} is {group}, so its "
-                  f"errors are for another grouping" if group != plan.group_size else "")
+    group_note = ""
+    if group != plan.group_size:  # a finer group's scale is at most the coarser one's: its error bound too
+        group_note = (f"; the plan measured groups of {plan.group_size}, zpp.{use.group_key} is {group}, so "
+                      + ("its errors bound these finer groups' from above" if group < plan.group_size
+                         else "these coarser groups may err more than it measured"))
     where = (f"on {backend}" if backend in plan.by_backend
              else f"overall (the plan has no entries of its own for {backend or 'this transport'})")
     return (f"zpp.initialize: {use.what} follow the tune plan {plan.source}: {'; '.join(parts)}: its fastest "
