@@ -97,8 +97,8 @@ from typing import Any
 from zpp.quant.types import quantized_nbytes
 from zpp.tune.links import LINKS, Link
 from zpp.zero.checks import check_int, check_number
-from zpp.zero.shard import SHARD_ALIGN
 from zpp.zero.config import DEFAULT_GRADIENT_GROUP_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
+from zpp.zero.shard import SHARD_ALIGN
 
 __all__ = [
     "Call", "Cluster", "LINKS", "Link", "MODES", "Mode", "Prediction", "Profile", "Traffic", "UnitShape",
