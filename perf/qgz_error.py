@@ -47,7 +47,8 @@ def simulate_qgz(grads: torch.Tensor, ranks_per_node: int, bits: int, group: int
     return (total / ranks)[:n]
 
 
-def gradients(layers: int, width: int, args, seed: int) -> torch.Tensor:
+def gradients(layers: int, width: int, args, seed: int) -> tuple[torch.Tensor, int]:
+    """One flat gradient per rank (rows) after ``args.warm_steps`` of training, and the parameter count."""
     from tests.gpt import GPT, CharCorpus, GPTConfig
 
     torch.manual_seed(seed)

@@ -78,17 +78,10 @@ def test_targets_from_an_earlier_run(bench, tmp_path):
         bench.main(["--variants", "ddp,diloco", "--target-from", str(path)])
 
 
-def _args(bench, **kw):
-    args = bench.parser().parse_args([])
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return args
-
-
 def test_every_variant_gets_its_own_config(bench):
     """Each zpp variant's config says what its name says (a misplaced branch once ran
     zero3-zeropp as the hierarchical mode)."""
-    args = _args(bench)
+    args = bench.parser().parse_args([])
     zero = {n: bench.engine_config(n, args, 2) for n in bench.VARIANTS + bench.EXTRA_VARIANTS if n != "ddp"}
     for name, cfg in zero.items():
         z, zpp = cfg["zero_optimization"], cfg["zpp"]
