@@ -54,7 +54,7 @@ VARIANTS = ("ddp", "zero3-zeropp", "onebitadam", "diloco")
 #: carries, against DDP and each other (issue 25: int4 forward weights)
 EXTRA_VARIANTS = ("zero3", "zero3-qwz", "zero3-qgz", "zero3-qgz-gg128", "zero3-qgz-gg512", "zero3-qgz-gg2048",
                   "zero3-zeropp-gg128", "zero3-zeropp-gg512", "zero3-zeropp-gg2048",
-                  "zero3-zeropp-w4", "zero3-zeropp-w4-g128")
+                  "zero3-zeropp-w4", "zero3-zeropp-w4-g128", "zero3-zeropp-delta4")
 LR = 1e-3
 
 
@@ -101,6 +101,8 @@ def engine_config(name: str, args, ranks_per_node: int) -> dict:
             zpp_section["weight_bits"] = 4
         if name.endswith("-g128"):  # a scale per 128 weights instead of 2048: 4.25 bits per weight
             zpp_section["weight_group_size"] = 128
+        if name.startswith("zero3-zeropp-delta"):  # hpZ's copy refreshed by quantized weight deltas
+            zpp_section["weight_delta_bits"] = int(name.rsplit("delta", 1)[1])
     elif name == "onebitadam":  # 1-bit Adam needs plain data parallel (stage 0)
         zero = {"stage": 0}
         optimizer = {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": args.freeze_step}}

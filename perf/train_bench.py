@@ -63,6 +63,8 @@ VARIANTS = {
     "zero3-zeropp-w4-g128": {"stage": 3, **_ZEROPP, "zpp": {"weight_bits": 4, "weight_group_size": 128}},
     # qgZ with a scale per 2048 gradient entries (the default before 2026-12-07: 128)
     "zero3-zeropp-gg2048": {"stage": 3, **_ZEROPP, "zpp": {"gradient_group_size": 2048}},
+    # hpZ's node copy kept across steps and refreshed by int4 weight deltas (zpp.weight_delta_bits)
+    "zero3-zeropp-delta4": {"stage": 3, **_ZEROPP, "zpp": {"weight_delta_bits": 4}},
     # qgZ's two hops on one reduction thread instead of pipelined over two
     "zero3-zeropp-1worker": {"stage": 3, **_ZEROPP, "zpp": {"pipeline_reductions": False}},
     # the weight gathers in two hops (zpp.hierarchical_gather: ZeRO++'s default) or in one

@@ -95,6 +95,7 @@ def test_every_variant_gets_its_own_config(bench):
     assert zero["zero3-zeropp-gg2048"]["zpp"]["gradient_group_size"] == 2048
     assert zero["zero3-qgz-gg128"]["zpp"]["gradient_group_size"] == 128
     assert zero["zero3-zeropp-w4-g128"]["zpp"] == {"check_metadata": False, "weight_bits": 4, "weight_group_size": 128}
+    assert zero["zero3-zeropp-delta4"]["zpp"] == {"check_metadata": False, "weight_delta_bits": 4}
     assert zero["onebitadam"]["zero_optimization"] == {"stage": 0}
     with pytest.raises(ValueError, match="'ddp'"):
         bench.engine_config("ddp", args, 2)

@@ -78,9 +78,12 @@ class WeightGather(abc.ABC):
         Default: nothing."""
         return []
 
-    def weights_changed(self, flat: FlatShard | None = None) -> None:  # noqa: B027 - optional hook
-        """The shards changed (an optimizer step, a skipped one, a checkpoint load): drop what
-        the strategy keeps of ``flat`` (None: of every unit). Default: nothing."""
+    def weights_changed(self, flat: FlatShard | None = None, *,  # noqa: B027 - optional hook
+                        replaced: bool = False) -> None:
+        """The shards changed (an optimizer step, a skipped one; ``replaced``: set from outside
+        the training, a checkpoint load or ``GatheredParameters``' modification): drop what
+        the strategy keeps of ``flat`` (None: of every unit), or mark it out of date. Default:
+        nothing."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -191,7 +191,14 @@ class ZppConfig:
     """qgZ code width, 4 or 8; None: the tune plan's choice for each reduce-scatter size,
     else 4. Set and contradicted by the plan: ``ValueError`` at initialize (Default: None)."""
     weight_group_size: int = DEFAULT_WEIGHT_GROUP_SIZE
-    """qwZ elements per fp32 scale; capped at the shard size (Default: 2048)."""
+    """qwZ elements per fp32 scale, and the weight deltas' (``weight_delta_bits``); capped at
+    the shard size (Default: 2048)."""
+    weight_delta_bits: int | None = None
+    """Stage 3 with hpZ: keep the node's secondary copy of the weights across optimizer steps
+    and refresh it with the weights' change, block-quantized to this width (4 or 8) with
+    error feedback, instead of gathering every unit over the world again after each step
+    (:mod:`zpp.zero.gather.delta`). Int4 deltas cross the node link in half the bytes of
+    qwZ's int8 weights; None: off (Default: None)."""
     gradient_group_size: int = DEFAULT_GRADIENT_GROUP_SIZE
     """qgZ elements per fp32 scale, in both hops; capped at the shard size. Int4 codes in
     groups of 128 are 4.25 bits per entry (2048: 4.02) and cost 0.1-0.3% of the loss where
@@ -256,7 +263,7 @@ class ZppConfig:
 
     def __post_init__(self) -> None:
         w = "ZppConfig"
-        for name in ("weight_bits", "gradient_bits"):
+        for name in ("weight_bits", "gradient_bits", "weight_delta_bits"):
             if getattr(self, name) is not None:
                 check_choice(w, name, getattr(self, name), QUANT_BITS)
         if self.tune_plan is not None:
@@ -440,6 +447,11 @@ class TrainConfig:
                 "the outer sync reads every unit's weights at each period, which the parameter tier keeps on "
                 "disk; use offload_optimizer.device='nvme' (the optimizer state, 8 of the 16 bytes per "
                 "parameter) with the hierarchical mode")
+        if self.zpp.weight_delta_bits is not None and (self.zero.stage < 3 or self.zero.hpz_partition_size <= 1):
+            raise ValueError(
+                f"TrainConfig: zpp.weight_delta_bits={self.zpp.weight_delta_bits} refreshes hpZ's node copy of the "
+                f"weights and needs zero_optimization.stage=3 with zero_hpz_partition_size > 1, got "
+                f"stage={self.zero.stage}, zero_hpz_partition_size={self.zero.hpz_partition_size}")
 
     def with_world(self, world_size: int) -> TrainConfig:
         """The config with the batch sizes resolved for ``world_size`` as DeepSpeed resolves

@@ -88,11 +88,12 @@ class UnitComms:
     def degree(self) -> int:
         return self.policy.degree(self.world.world_size)
 
-    def weights_changed(self, flat: FlatShard | None = None) -> None:
+    def weights_changed(self, flat: FlatShard | None = None, *, replaced: bool = False) -> None:
         """Tell every gather that ``flat``'s shards changed (None: every unit's), so that
-        what a gather keeps (hpZ's secondary shard) is dropped."""
+        what a gather keeps (hpZ's secondary shard) is dropped or marked out of date
+        (``replaced``: set from outside the training, see :meth:`WeightGather.weights_changed`)."""
         for g in {id(g): g for g in self.gathers.values()}.values():
-            g.weights_changed(flat)
+            g.weights_changed(flat, replaced=replaced)
 
 
 class Started(NamedTuple):
@@ -454,7 +455,7 @@ class Unit:
             f.full.copy_(padded)
         elif not f.master_aliases_shard:
             f.shard.copy_(own)
-        self.comms.weights_changed(f)
+        self.comms.weights_changed(f, replaced=True)
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, params={len(self.params)}, trainable={self.trainable}, {self.flat!r})"

@@ -7,6 +7,9 @@ name        what crosses the wire                    file
 ``qwz``     int8/int4 codes + fp32 group scales      :mod:`~zpp.zero.gather.qwz`
 (hpZ)       wraps either: later gathers stay in      :mod:`~zpp.zero.gather.hpz`
             the node until the optimizer step
+(hpZ delta) after a step, quantized differences      :mod:`~zpp.zero.gather.delta`
+            refresh the node's copy (int4: half
+            of qwZ's int8 bytes)
 ==========  =======================================  =============================
 
 Without sharded parameters the only gather is :attr:`Phase.EXACT`'s ``plain``, which
@@ -14,7 +17,8 @@ publishes the updated shards into the persistent parameters after each step (sta
 none at stage 0, where nothing is sharded). The forward gather is ``zpp.weight_gather`` when set, else ``qwz`` with
 ``zero_quantized_weights`` and ``plain`` without; the backward gather is ``plain`` (ZeRO++
 keeps the backward in full precision); both are wrapped by hpZ when
-``zero_hpz_partition_size > 1``. :attr:`Phase.EXACT` is always ``plain`` from the primary
+``zero_hpz_partition_size > 1``, by hpZ refreshed with weight deltas when
+``zpp.weight_delta_bits`` is set too. :attr:`Phase.EXACT` is always ``plain`` from the primary
 shards. Adding a variant: a file here and a line in ``GATHERS``.
 """
 from __future__ import annotations
@@ -22,12 +26,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zpp.zero.comm_api import Comms, Phase, WeightGather
+from zpp.zero.gather.delta import DeltaSecondaryGather
 from zpp.zero.gather.hpz import Secondaries, SecondaryGather
 from zpp.zero.gather.plain import PlainGather, two_hop_topology
 from zpp.zero.gather.qwz import QuantizedGather
 from zpp.zero.policy import ShardingPolicy
 
-__all__ = ["GATHERS", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers", "gather_needs",
+__all__ = ["GATHERS", "DeltaSecondaryGather", "PlainGather", "QuantizedGather", "SecondaryGather", "build_gathers", "gather_needs",
            "two_hop_topology"]
 
 #: name -> factory(comms)
@@ -70,7 +75,11 @@ def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGat
     name = forward_gather_name(comms)
     forward = plain if name == "plain" else GATHERS[name](comms)
     backward = plain
+    if comms.config.zpp.weight_delta_bits is not None and policy.secondary_degree <= 1:
+        raise ValueError(f"zpp.weight_delta_bits={comms.config.zpp.weight_delta_bits} refreshes hpZ's node copy "
+                         "and needs zero_optimization.zero_hpz_partition_size > 1 (the ranks per node) at stage 3")
     if policy.secondary_degree > 1:  # one store: see [Note: the secondary shard belongs to hpZ]
         store = Secondaries(comms.topology)
-        forward, backward = SecondaryGather(comms, forward, store), SecondaryGather(comms, backward, store)
+        wrap = SecondaryGather if comms.config.zpp.weight_delta_bits is None else DeltaSecondaryGather
+        forward, backward = wrap(comms, forward, store), wrap(comms, backward, store)
     return {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.EXACT: plain}

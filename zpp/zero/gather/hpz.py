@@ -39,6 +39,10 @@ class SecondaryState(enum.Enum):
     VALID = "valid"
     """Holds the weights of the last world gather; gathers stay inside the node until the
     weights change."""
+    STALE = "stale"
+    """Holds the weights as they were before they changed; only a gather that refreshes it
+    from what changed (:class:`~zpp.zero.gather.delta.DeltaSecondaryGather`) keeps stale
+    shards, the others drop them."""
 
 
 class Secondaries:
@@ -47,26 +51,54 @@ class Secondaries:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._held: dict[int, tuple[FlatShard, torch.Tensor]] = {}  # id(flat) -> (flat, its slice)
+        self._stale: set[int] = set()  # ids of held slices whose weights changed since
+        #: id(flat) -> this rank's own shard as every rank's copies hold it (the delta gather's)
+        self.own: dict[int, torch.Tensor] = {}
 
     def get(self, flat: FlatShard) -> torch.Tensor | None:
+        """The valid secondary slice of ``flat``, or None (absent or stale)."""
+        held = self._held.get(id(flat))
+        return None if held is None or id(flat) in self._stale else held[1]
+
+    def held(self, flat: FlatShard) -> torch.Tensor | None:
+        """The secondary slice of ``flat`` whether valid or stale, or None."""
         held = self._held.get(id(flat))
         return None if held is None else held[1]
 
     def state(self, flat: FlatShard) -> SecondaryState:
-        return SecondaryState.VALID if id(flat) in self._held else SecondaryState.ABSENT
+        if id(flat) not in self._held:
+            return SecondaryState.ABSENT
+        return SecondaryState.STALE if id(flat) in self._stale else SecondaryState.VALID
 
-    def keep(self, flat: FlatShard, full: torch.Tensor) -> None:
-        """Keep this rank's slice of a world-gathered ``full``."""
+    def bounds(self, flat: FlatShard) -> slice:
+        """The range of the full buffer this rank's secondary slice covers."""
         k, lr = self.topology.ranks_per_node, self.topology.local_rank
         n = flat.layout.padded_numel // k
-        self._held[id(flat)] = (flat, full[lr * n:(lr + 1) * n].clone())
+        return slice(lr * n, (lr + 1) * n)
+
+    def keep(self, flat: FlatShard, full: torch.Tensor) -> None:
+        """Keep this rank's slice of a world-gathered ``full`` (valid)."""
+        self._held[id(flat)] = (flat, full[self.bounds(flat)].clone())
+        self._stale.discard(id(flat))
+
+    def refreshed(self, flat: FlatShard) -> None:
+        """A stale slice was brought up to the current weights in place: valid again."""
+        self._stale.discard(id(flat))
+
+    def mark_stale(self, flat: FlatShard | None = None) -> None:
+        """The weights of ``flat`` (None: every unit) changed; keep the slices, stale."""
+        self._stale.update(self._held if flat is None else [id(flat)] if id(flat) in self._held else [])
 
     def drop(self, flat: FlatShard | None = None) -> None:
         """Drop ``flat``'s secondary shard (None: every unit's)."""
         if flat is None:
             self._held.clear()
+            self._stale.clear()
+            self.own.clear()
         else:
             self._held.pop(id(flat), None)
+            self._stale.discard(id(flat))
+            self.own.pop(id(flat), None)
 
 
 class SecondaryGather(WeightGather):
@@ -106,9 +138,9 @@ class SecondaryGather(WeightGather):
         secondary = self.secondaries.get(flat)
         return [] if secondary is None else [secondary]
 
-    def weights_changed(self, flat: FlatShard | None = None) -> None:
+    def weights_changed(self, flat: FlatShard | None = None, *, replaced: bool = False) -> None:
         self.secondaries.drop(flat)
-        self.inner.weights_changed(flat)
+        self.inner.weights_changed(flat, replaced=replaced)
 
     def __repr__(self) -> str:
         return f"SecondaryGather({self.inner!r}, k={self.topology.ranks_per_node})"

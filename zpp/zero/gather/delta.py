@@ -1,0 +1,118 @@
+"""hpZ refreshed by quantized weight deltas: what crosses the node link after a step is the
+change of the weights, not the weights (``zpp.weight_delta_bits``).
+
+Plain hpZ (:mod:`~zpp.zero.gather.hpz`) drops the node's secondary copy at every optimizer
+step, and the next forward gathers every unit over the world again (qwZ: int8 codes of the
+weights). But one step moves the weights little (AdamW: about ``lr`` per entry), so here the
+copy is kept and refreshed: each rank sends ``Q(w - c)``, the block-quantized difference
+between its updated shard ``w`` and the copy ``c`` of that shard every rank holds, and every
+rank adds ``dequantize(Q(w - c))`` to its copies. The residual is not lost: the next
+difference starts from the copy, so the copy's error after any number of steps is the
+quantization error of one difference (error feedback), a few times smaller at int4 than
+int8 codes of the weights themselves, for half their bytes.
+
+[Note: the delta refresh]
+Each rank holds (1) its hpZ secondary slice, ``1/k`` of the unit's full buffer (``k`` =
+ranks per node), as every rank that holds it agrees, and (2) ``own``: its primary shard's
+range as the copies hold it (a slice of another rank's secondary in general). At a refresh
+every rank quantizes ``compute_shard - own`` and all-gathers the codes over the world (two
+hops where the topology is built, as qwZ); each rank adds the dequantized differences of its
+secondary's range to the secondary and of its own range to ``own``, with the same fp32
+addition and cast, so every copy of an entry holds the same bits. Then the full buffer is the
+node's all-gather of the secondaries, as hpZ's later gathers. A unit's first gather, and the
+first after its weights were replaced from outside training (a checkpoint load,
+``GatheredParameters``), goes over the world through the wrapped gather (qwZ or plain) and
+starts the copies from what it delivered.
+
+Memory: the secondary slice and ``own`` stay between steps (``numel / k + numel / world``
+elements per unit, in the parameters' dtype), where plain hpZ frees the slice at the step.
+Forward and backward of a step see the same weights (the refreshed copy).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from zpp.comm.collectives import quantized_all_gather_async
+from zpp.comm.transport import Work
+from zpp.zero.comm_api import Comms, WeightGather
+from zpp.zero.gather.hpz import Secondaries, SecondaryGather, SecondaryState
+from zpp.zero.gather.plain import two_hop_topology
+
+if TYPE_CHECKING:
+    from zpp.zero.shard import FlatShard
+
+
+class DeltaSecondaryGather(SecondaryGather):
+    """hpZ whose secondary copies survive the optimizer step and are refreshed by quantized
+    differences (see [Note: the delta refresh]); ``inner`` fills a unit's copies the first
+    time. ``bits``: the code width of the differences (``zpp.weight_delta_bits``);
+    ``group_size``: entries per fp32 scale (``zpp.weight_group_size``, capped at the shard)."""
+
+    name = "hpz-delta"
+
+    def __init__(self, comms: Comms, inner: WeightGather, secondaries: Secondaries | None = None) -> None:
+        super().__init__(comms, inner, secondaries)
+        self.world = comms.world
+        self.two_hop = two_hop_topology(comms)
+        self.bits = comms.config.zpp.weight_delta_bits
+        if self.bits is None:
+            raise ValueError("DeltaSecondaryGather: zpp.weight_delta_bits is not set")
+        self.group_size = comms.config.zpp.weight_group_size
+        self._refreshing: set[int] = set()  # ids of units refreshed by differences, full buffer not yet filled
+        #: refreshes by differences and world gathers that (re)started the copies
+        self.refreshes = 0
+        self.world_gathers = 0
+
+    def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
+        state = self.secondaries.state(flat)
+        if state is not SecondaryState.STALE:
+            if state is SecondaryState.ABSENT:
+                self.world_gathers += 1
+            return super().start(flat, full)
+        own = self.secondaries.own[id(flat)]
+        shard = flat.compute_shard()
+        deltas = torch.empty(flat.layout.padded_numel, dtype=torch.float32, device=shard.device)
+        work = quantized_all_gather_async(deltas, shard.float() - own.float(), transport=self.world, bits=self.bits,
+                                          group_size=min(self.group_size, flat.layout.shard_numel),
+                                          topology=self.two_hop)
+        self.refreshes += 1
+        self._refreshing.add(id(flat))
+
+        def refresh() -> None:
+            # applied when the work is waited, even by a unit that then throws the gather away
+            # (Unit.drop_started): every rank's copies move together
+            work.wait()
+            secondary = self.secondaries.held(flat)
+            # one fp32 addition and cast for every copy of an entry: the copies agree bit for bit
+            secondary.copy_(secondary.float() + deltas[self.secondaries.bounds(flat)])
+            own.copy_(own.float() + deltas[flat.layout.owned(flat.rank)])
+            self.secondaries.refreshed(flat)
+        return Work("hpz_delta_gather", refresh, asynchronous=work.asynchronous)
+
+    def finish(self, flat: FlatShard, full: torch.Tensor) -> None:
+        if id(flat) in self._refreshing:  # the node's copy is current: the full buffer is its all-gather
+            self._refreshing.discard(id(flat))
+            self.topology.intra.all_gather_async(full, self.secondaries.held(flat)).wait()
+            return
+        first = self.secondaries.state(flat) is SecondaryState.ABSENT
+        super().finish(flat, full)
+        if first:  # the copies start from what the world gather delivered
+            self.secondaries.own[id(flat)] = full[flat.layout.owned(flat.rank)].clone()
+
+    def kept(self, flat: FlatShard) -> list[torch.Tensor]:
+        held = self.secondaries.held(flat)
+        own = self.secondaries.own.get(id(flat))
+        return [t for t in (held, own) if t is not None]
+
+    def weights_changed(self, flat: FlatShard | None = None, *, replaced: bool = False) -> None:
+        if replaced:
+            self.secondaries.drop(flat)
+        else:
+            self.secondaries.mark_stale(flat)
+        self.inner.weights_changed(flat, replaced=replaced)
+
+    def __repr__(self) -> str:
+        return (f"DeltaSecondaryGather({self.inner!r}, k={self.topology.ranks_per_node}, bits={self.bits}, "
+                f"group_size={self.group_size})")
