@@ -18,8 +18,9 @@ range as the copies hold it (a slice of another rank's secondary in general). At
 every rank quantizes ``compute_shard - own`` and all-gathers the codes over the world (two
 hops where the topology is built, as qwZ); each rank adds the dequantized differences of its
 secondary's range to the secondary and of its own range to ``own``, with the same fp32
-addition and cast, so every copy of an entry holds the same bits. Then the full buffer is the
-node's all-gather of the secondaries, as hpZ's later gathers. A unit's first gather, and the
+addition and cast, so every copy of an entry holds the same bits. The full buffer is the
+node's all-gather of the secondaries as they were, started beside the differences' gather,
+plus the differences (the same addition). A unit's first gather, and the
 first after its weights were replaced from outside training (a checkpoint load,
 ``GatheredParameters``), goes over the world through the wrapped gather (qwZ or plain) and
 starts the copies from what it delivered.
@@ -60,7 +61,6 @@ class DeltaSecondaryGather(SecondaryGather):
         if self.bits is None:
             raise ValueError("DeltaSecondaryGather: zpp.weight_delta_bits is not set")
         self.group_size = comms.config.zpp.weight_group_size
-        self._refreshing: set[int] = set()  # ids of units refreshed by differences, full buffer not yet filled
         #: refreshes by differences and world gathers that (re)started the copies
         self.refreshes = 0
         self.world_gathers = 0
@@ -71,33 +71,32 @@ class DeltaSecondaryGather(SecondaryGather):
             if state is SecondaryState.ABSENT:
                 self.world_gathers += 1
             return super().start(flat, full)
-        own = self.secondaries.own[id(flat)]
+        secondary, own = self.secondaries.held(flat), self.secondaries.own[id(flat)]
         shard = flat.compute_shard()
+        # the node's copy as it was fills the full buffer beside the differences' gather
+        # (it does not wait for them); the differences are added when both are in
+        old = self.topology.intra.all_gather_async(full, secondary)
         deltas = torch.empty(flat.layout.padded_numel, dtype=torch.float32, device=shard.device)
         work = quantized_all_gather_async(deltas, shard.float() - own.float(), transport=self.world, bits=self.bits,
                                           group_size=min(self.group_size, flat.layout.shard_numel),
                                           topology=self.two_hop)
         self.refreshes += 1
-        self._refreshing.add(id(flat))
 
         def refresh() -> None:
             # applied when the work is waited, even by a unit that then throws the gather away
             # (Unit.drop_started): every rank's copies move together
+            old.wait()
             work.wait()
-            secondary = self.secondaries.held(flat)
             # one fp32 addition and cast for every copy of an entry: the copies agree bit for bit
-            secondary.copy_(secondary.float() + deltas[self.secondaries.bounds(flat)])
-            own.copy_(own.float() + deltas[flat.layout.owned(flat.rank)])
+            full.copy_(full.float() + deltas)
+            secondary.copy_(full[self.secondaries.bounds(flat)])
+            own.copy_(full[flat.layout.owned(flat.rank)])
             self.secondaries.refreshed(flat)
-        return Work("hpz_delta_gather", refresh, asynchronous=work.asynchronous)
+        return Work("hpz_delta_gather", refresh, asynchronous=work.asynchronous or old.asynchronous)
 
     def finish(self, flat: FlatShard, full: torch.Tensor) -> None:
-        if id(flat) in self._refreshing:  # the node's copy is current: the full buffer is its all-gather
-            self._refreshing.discard(id(flat))
-            self.topology.intra.all_gather_async(full, self.secondaries.held(flat)).wait()
-            return
         first = self.secondaries.state(flat) is SecondaryState.ABSENT
-        super().finish(flat, full)
+        super().finish(flat, full)  # (nothing left to do after a refresh: the copy is valid again)
         if first:  # the copies start from what the world gather delivered
             self.secondaries.own[id(flat)] = full[flat.layout.owned(flat.rank)].clone()
 
