@@ -184,6 +184,24 @@ def test_which_calls_run_beside_the_backward():
     assert (a.inter_bytes, a.intra_bytes) == (b_.inter_bytes, b_.intra_bytes)
 
 
+def test_zeropp_with_weight_deltas_by_hand():
+    inter, intra, _ = _bytes("zero3-zeropp-delta4", [UnitShape(8192)])
+    pp_inter, pp_intra, _ = _bytes("zero3-zeropp", [UnitShape(8192)])
+    # the forward's world gather: int4 codes of the differences (1024 B + one scale per rank)
+    # instead of qwZ's int8 codes (2048 B + one scale), in the same two hops; and the node's
+    # old copy, 8192 / 2 fp32 elements, to the local peer
+    q8, q4 = 2048 + 4, 1024 + 4
+    assert inter == pp_inter - q8 + q4
+    assert intra == pp_intra - 2 * q8 + 2 * q4 + 4096 * 4
+    assert MODES["zero3-zeropp-delta4"].config(2)["zpp"] == {"weight_delta_bits": 4}
+    m = cost.memory(MODES["zero3-zeropp-delta4"], [UnitShape(8192)], C22)
+    pp = cost.memory(MODES["zero3-zeropp"], [UnitShape(8192)], C22)
+    # at rest the secondary (1/R of the unit) and the copy of the own shard (1/W) stay
+    assert m["rest"] - pp["rest"] == 4 * 8192 // 2 + 4 * 2048
+    # in a step the refresh's fp32 differences of the unit on top
+    assert m["peak"] - pp["peak"] == 4 * 2048 + 4 * 8192
+
+
 def test_memory_by_hand():
     units = [UnitShape(8192)]
     m3 = cost.memory(MODES["zero3"], units, C22)
@@ -291,7 +309,8 @@ def _measure(t, modes, threshold, gas):
     return out
 
 
-ZERO_MODES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp", "onebit-adam")
+ZERO_MODES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp", "zero3-zeropp-delta4",
+              "onebit-adam")
 
 
 @pytest.mark.timeout(240)

@@ -163,6 +163,9 @@ class Mode:
     default, on at stage 3)."""
     weight_group_size: int = DEFAULT_WEIGHT_GROUP_SIZE
     gradient_group_size: int = DEFAULT_GRADIENT_GROUP_SIZE
+    weight_delta_bits: int | None = None
+    """hpZ's node copy kept across steps and refreshed by weight differences of this width
+    (``zpp.weight_delta_bits``); None: the copy is gathered over the world after each step."""
 
     @property
     def two_hop_gathers(self) -> bool:
@@ -203,6 +206,8 @@ class Mode:
             zpp["weight_bits"] = self.weight_bits
         if self.gradient_bits not in (None, 4):
             zpp["gradient_bits"] = self.gradient_bits
+        if self.weight_delta_bits is not None:
+            zpp["weight_delta_bits"] = self.weight_delta_bits
         if not self.prefetch:
             zpp["prefetch"] = False
         if self.overlap_comm is not None:
@@ -221,6 +226,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("zero1", 1), Mode("zero2", 2), Mode("zero3", 3),
     Mode("zero3-qwz", 3, weight_bits=8), Mode("zero3-hpz", 3, hpz=True), Mode("zero3-qgz", 3, gradient_bits=4),
     Mode("zero3-zeropp", 3, weight_bits=8, hpz=True, gradient_bits=4),
+    Mode("zero3-zeropp-delta4", 3, weight_bits=8, hpz=True, gradient_bits=4, weight_delta_bits=4),
     Mode("onebit-adam", 0, onebit=True),
     Mode("outer-int4", 2, outer=OuterSpec()),
 )}
@@ -459,7 +465,13 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                         book.repeat = each_micro - world
                         book.all_gather(what, param_bytes * p // book.R, "intra")
                 book.repeat = world
-                if world and phase == "forward" and mode.weight_bits is not None:
+                if world and mode.weight_delta_bits is not None and mode.hpz and book.R > 1:
+                    # a step's first gather refreshes the node's copy: its old secondary shards
+                    # inside the node, the shards' differences' codes over the world (steady
+                    # state: the unit's very first gather went over the world as qwZ's)
+                    book.all_gather(what, param_bytes * p // book.R, "intra")
+                    _quantized_all_gather(book, what, s, mode.weight_delta_bits, mode.weight_group_size, hier=hier)
+                elif world and phase == "forward" and mode.weight_bits is not None:
                     _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size, hier=hier)
                 elif world:
                     _world_gather(book, what, param_bytes * s, hier)
@@ -667,6 +679,12 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
         params = param_nvme_buffers * max(param_bytes, 4) * u
         live += param_bytes * -(-live_elems // W)  # a gathered unit's shard, until its gather is done
         grads = 4 * u  # one reduced gradient shard: being added up, or read ahead of its update
+    if secondary and mode.weight_delta_bits is not None:
+        # the node's copy stays between steps, with the copy of this rank's own shard; a
+        # refresh holds the unit's differences in fp32 until they are added
+        params += secondary + param_bytes * shard
+        secondary = 0
+        live += 4 * biggest
     outer = 8 * -(-psi // R) if mode.outer is not None else 0
     if mode.onebit:  # fused fp32 copies of parameters and gradients, moments, two error buffers
         optim = 4 * psi * 5

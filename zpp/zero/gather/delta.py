@@ -88,7 +88,10 @@ class DeltaSecondaryGather(SecondaryGather):
             old.wait()
             work.wait()
             # one fp32 addition and cast for every copy of an entry: the copies agree bit for bit
-            full.copy_(full.float() + deltas)
+            if full.dtype == torch.float32:
+                full.add_(deltas)
+            else:
+                full.copy_(full.float() + deltas)
             secondary.copy_(full[self.secondaries.bounds(flat)])
             own.copy_(full[flat.layout.owned(flat.rank)])
             self.secondaries.refreshed(flat)
