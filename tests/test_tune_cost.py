@@ -194,6 +194,7 @@ def test_zeropp_with_weight_deltas_by_hand():
     assert inter == pp_inter - q8 + q4
     assert intra == pp_intra - 2 * q8 + 2 * q4 + 4096 * 4
     assert MODES["zero3-zeropp-delta4"].config(2)["zpp"] == {"weight_delta_bits": 4}
+    assert "zpp" not in MODES["zero3-zeropp-delta4"].config(1)  # one rank per node: no node copy, ZeRO++
     m = cost.memory(MODES["zero3-zeropp-delta4"], [UnitShape(8192)], C22)
     pp = cost.memory(MODES["zero3-zeropp"], [UnitShape(8192)], C22)
     # at rest the secondary (1/R of the unit) and the copy of the own shard (1/W) stay

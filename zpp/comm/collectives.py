@@ -121,11 +121,11 @@ def quantized_all_gather_async(
     group_size: int = DEFAULT_GROUP_SIZE,
     topology=None,
 ) -> Work:
-    """:func:`quantized_all_gather` started: the shard is quantized and the all-gathers of
-    payload and scales are in flight when it returns; ``wait()`` waits for both and
+    """:func:`quantized_all_gather` started: the shard is quantized and the all-gather of its
+    codes and scales (one message) is in flight when it returns; ``wait()`` waits for it and
     dequantizes into ``out``. Bytes are booked at the call (see [Note: asynchronous
     collectives] in :mod:`zpp.comm.transport`). With ``topology`` (of ``transport``) the
-    all-gathers run in two hops (:func:`hierarchical_all_gather_async`; the intra-node hop
+    all-gather runs in two hops (:func:`hierarchical_all_gather_async`; the intra-node hop
     at ``wait()``), with the same result."""
     world = transport.world_size
     if out.numel() != world * shard.numel():
@@ -139,19 +139,23 @@ def quantized_all_gather_async(
     transport.check_agree("quantized_all_gather", (shard.numel(),), ("shard numel",))
     group_size = effective_group_size(group_size, shard.numel())
     q = zq.quantize(shard, bits=bits, group_size=group_size)
-    data = torch.empty(world * q.data.numel(), dtype=torch.uint8, device=shard.device)
-    scales = torch.empty(world * q.scales.numel(), dtype=torch.float32, device=shard.device)
-    pairs = ((data, q.data), (scales, q.scales.reshape(-1)))
+    # codes and scales travel as one message (one collective per hop instead of two: on a
+    # slow or busy network each call costs its latency); the bytes are the same
+    ncodes = q.data.numel()
+    payload = torch.cat([q.data.reshape(-1), q.scales.reshape(-1).contiguous().view(torch.uint8)])
+    gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=shard.device)
     with transport.counters.collective("quantized_all_gather", out.numel() * out.element_size()):
         if two_hop(topology):
-            works = tuple(hierarchical_all_gather_async(o, i, topology=topology, name="quantized_all_gather")
-                          for o, i in pairs)
+            work = hierarchical_all_gather_async(gathered, payload, topology=topology, name="quantized_all_gather")
         else:
-            works = tuple(transport.all_gather_async(o, i) for o, i in pairs)
+            work = transport.all_gather_async(gathered, payload)
 
     def finish() -> None:
-        for w in works:  # a two-hop work books its intra-node hop as the rest of this call
-            w.wait()
+        work.wait()  # a two-hop work books its intra-node hop as the rest of this call
+        rows = gathered.view(world, -1)
+        data = rows[:, :ncodes].contiguous().view(-1)
+        scales = torch.empty(world, rows.shape[1] - ncodes, dtype=torch.uint8, device=rows.device)
+        scales = scales.copy_(rows[:, ncodes:]).view(-1).view(torch.float32)  # (a fresh, aligned buffer)
         n = shard.numel()
         padded = q.groups * group_size
         # Every rank's payload is whole groups, so the gathered payload reads as one tensor.
@@ -163,8 +167,7 @@ def quantized_all_gather_async(
             full = zq.dequantize(whole, dtype=out.dtype).view(world, padded)
             out.view(world, n).copy_(full[:, :n])
 
-    return transport.adopt(Work("quantized_all_gather", finish, asynchronous=any(w.asynchronous for w in works)),
-                           out)
+    return transport.adopt(Work("quantized_all_gather", finish, asynchronous=work.asynchronous), out)
 
 
 def _slices(out: torch.Tensor, inp: torch.Tensor, world: int, who: str) -> torch.Tensor:

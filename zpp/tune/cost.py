@@ -206,7 +206,8 @@ class Mode:
             zpp["weight_bits"] = self.weight_bits
         if self.gradient_bits not in (None, 4):
             zpp["gradient_bits"] = self.gradient_bits
-        if self.weight_delta_bits is not None:
+        if self.weight_delta_bits is not None and self.hpz and ranks_per_node > 1:
+            # (with one rank per node there is no node copy to refresh: the mode is ZeRO++)
             zpp["weight_delta_bits"] = self.weight_delta_bits
         if not self.prefetch:
             zpp["prefetch"] = False
@@ -406,14 +407,12 @@ def _world_gather(book: _Book, what: str, m: int, hier: bool) -> None:
 
 def _quantized_all_gather(book: _Book, what: str, s: int, bits: int, gs: int, group: str = "world",
                           weight: float = 1.0, hier: bool = False) -> None:
-    g = _group(gs, s)
-    codes = quantized_nbytes(s, bits, g) - 4 * (-(-s // g))
+    # codes and fp32 scales in one message (zpp.comm.collectives.quantized_all_gather_async)
+    m = quantized_nbytes(s, bits, _group(gs, s))
     if hier and group == "world":
-        _world_gather(book, what, codes, True)
-        _world_gather(book, what, 4 * (-(-s // g)), True)
+        _world_gather(book, what, m, True)
         return
-    book.all_gather(what, codes, group, weight)
-    book.all_gather(what, 4 * (-(-s // g)), group, weight)
+    book.all_gather(what, m, group, weight)
 
 
 def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,

@@ -91,7 +91,7 @@ from zpp.tune.microbatch import KEY, MicroBatchSearch, from_autotuning, search, 
 
 __all__ = ["CANDIDATES", "add_arguments", "links_from_probe", "run"]
 
-CANDIDATES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp")
+CANDIDATES = ("zero1", "zero2", "zero3", "zero3-qwz", "zero3-hpz", "zero3-qgz", "zero3-zeropp", "zero3-zeropp-delta4")
 LOSS_CANDIDATES = ("outer-int4",)
 """Raced by time to a target loss with ``--loss-steps`` (see [Note: the loss race])."""
 RACE_MARGIN = 1.1
