@@ -158,7 +158,8 @@ def test_choose_races_the_hierarchical_mode_by_time_to_the_target(outer_slope, f
     # its H and delay: the period rule on the cost model's times for the measured links (an
     # inner step of 11.23 s hides a 0.13 s fragment sync in one step: delay 1, H the floor of 5)
     assert out["pred_inner_step_s"] == pytest.approx(11.2276, rel=1e-4)
-    assert out["pred_sync_s"] == pytest.approx(0.13213, rel=1e-4)
+    # (0.13213 s while a quantized all-gather sent its codes and scales as two calls: one latency more)
+    assert out["pred_sync_s"] == pytest.approx(0.132084, rel=1e-4)
     assert (out["outer"]["delay"], out["outer"]["sync_every"]) == (1, 5) and "sync_every_capped" not in out
     if outer_wins:
         assert (out["steps_to_target"], out["time_to_target_s"]) == (43, pytest.approx(21.5))
