@@ -235,3 +235,40 @@ def test_replaced_weights_are_gathered_over_the_world_again():
 def test_configs_it_cannot_serve_are_refused(zero, bits, match):
     with pytest.raises(ValueError, match=match):
         from_deepspeed({"zero_optimization": zero, "zpp": {"weight_delta_bits": bits}})
+
+
+def _late_run(t):
+    from zpp.comm.collectives import quantized_all_gather
+    from zpp.zero.comm_api import Phase
+    data = CharCorpus(max_bytes=200_000)
+    g = torch.Generator().manual_seed(17 + t.rank)
+    states = {}
+    for name, delta_bits in (("delta", 4), ("hpz", None)):
+        engine = _engine(t, _config(delta_bits))
+        if delta_bits is not None:  # a step: the copies exist, out of date (the next gather refreshes them)
+            x, y = data.batch(BATCH, GPT_CFG["block_size"], g)
+            engine.backward(engine(x, y))
+            engine.step()
+        u = engine.units[0]
+        store = engine.comms.gathers[Phase.FORWARD].secondaries
+        before = store.state(u.flat).value
+        u.start_gather(Phase.FORWARD)
+        engine.comms.weights_changed()  # the weights change while the gather is on its way
+        u.gather(Phase.FORWARD)
+        states[name] = (before, store.state(u.flat).value)
+        u.release()
+        engine.close()
+        states[name + "-closed"] = store.state(u.flat).value
+    out = torch.empty(0)
+    quantized_all_gather(out, torch.empty(0), transport=t, bits=4)  # an empty shard gathers to nothing
+    return states
+
+
+@pytest.mark.timeout(150)
+def test_a_gather_that_outlives_a_weight_change_leaves_the_copy_out_of_date():
+    for r in run_world(_late_run, 4, ranks_per_node=2, timeout=120):
+        # the refresh delivered the old weights: the copy stays stale, the next gather refreshes it
+        assert r["delta"] == ("stale", "stale"), r
+        # plain hpZ's world gather: its slice is not kept as valid
+        assert r["hpz"] == ("absent", "absent"), r
+        assert r["delta-closed"] == r["hpz-closed"] == "absent", r  # close() lets the copies go

@@ -152,7 +152,7 @@ def quantized_all_gather_async(
 
     def finish() -> None:
         work.wait()  # a two-hop work books its intra-node hop as the rest of this call
-        rows = gathered.view(world, -1)
+        rows = gathered.view(world, payload.numel())  # (explicit: a shard may be empty)
         data = rows[:, :ncodes].contiguous().view(-1)
         scales = torch.empty(world, rows.shape[1] - ncodes, dtype=torch.uint8, device=rows.device)
         scales = scales.copy_(rows[:, ncodes:]).view(-1).view(torch.float32)  # (a fresh, aligned buffer)

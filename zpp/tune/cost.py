@@ -680,10 +680,10 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
         grads = 4 * u  # one reduced gradient shard: being added up, or read ahead of its update
     if secondary and mode.weight_delta_bits is not None:
         # the node's copy stays between steps, with the copy of this rank's own shard; a
-        # refresh holds the unit's differences in fp32 until they are added
+        # refresh holds its unit's differences in fp32 until they are added: every unit in flight
         params += secondary + param_bytes * shard
         secondary = 0
-        live += 4 * biggest
+        live += 4 * live_elems
     outer = 8 * -(-psi // R) if mode.outer is not None else 0
     if mode.onebit:  # fused fp32 copies of parameters and gradients, moments, two error buffers
         optim = 4 * psi * 5

@@ -530,6 +530,8 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
                     u.release()
             if not gather_weights and self.job_world.rank == 0:
                 log.info("zpp: engine closed without gathering its sharded parameters: they hold empty tensors")
+        if comms is not None:
+            comms.weights_changed(replaced=True)  # the gathers let go of what they keep (hpZ's copies)
         self.hooks.remove()
         if comms is not None and comms.params_swap is not None:
             comms.params_swap.close()

@@ -5,9 +5,9 @@ Wraps the gather over the world (plain or qwZ). After a world gather, each rank 
 (the *secondary shard*); until the weights change (the optimizer step, a skipped step, a
 checkpoint load: :meth:`SecondaryGather.weights_changed`), gathers are all-gathers of the
 secondary shards over the node (``topology.intra``) and cross no node link. The secondary
-holds exactly the weights the world gather produced (quantized ones under qwZ), so forward
-and backward of a micro-step see the same weights. Extra memory: ``numel / k`` elements per
-unit.
+holds exactly the weights the world gather produced (quantized ones under qwZ; refreshed by
+quantized differences under :mod:`~zpp.zero.gather.delta`), so forward and backward of a
+micro-step see the same weights. Extra memory: ``numel / k`` elements per unit.
 
 [Note: the secondary shard belongs to hpZ]
 The secondary shards are this strategy's state, held in one :class:`Secondaries` per
@@ -54,6 +54,19 @@ class Secondaries:
         self._stale: set[int] = set()  # ids of held slices whose weights changed since
         #: id(flat) -> this rank's own shard as every rank's copies hold it (the delta gather's)
         self.own: dict[int, torch.Tensor] = {}
+        self._changes_all = 0  # changes of every unit's weights
+        self._changes: dict[int, int] = {}  # id(flat) -> changes of that unit's alone
+
+    def generation(self, flat: FlatShard) -> int:
+        """How often ``flat``'s weights changed: a gather that started at one generation and
+        ends at another delivered weights that are out of date."""
+        return self._changes_all + self._changes.get(id(flat), 0)
+
+    def _changed(self, flat: FlatShard | None) -> None:
+        if flat is None:
+            self._changes_all += 1
+        else:
+            self._changes[id(flat)] = self._changes.get(id(flat), 0) + 1
 
     def get(self, flat: FlatShard) -> torch.Tensor | None:
         """The valid secondary slice of ``flat``, or None (absent or stale)."""
@@ -87,10 +100,12 @@ class Secondaries:
 
     def mark_stale(self, flat: FlatShard | None = None) -> None:
         """The weights of ``flat`` (None: every unit) changed; keep the slices, stale."""
+        self._changed(flat)
         self._stale.update(self._held if flat is None else [id(flat)] if id(flat) in self._held else [])
 
     def drop(self, flat: FlatShard | None = None) -> None:
         """Drop ``flat``'s secondary shard (None: every unit's)."""
+        self._changed(flat)
         if flat is None:
             self._held.clear()
             self._stale.clear()
@@ -121,18 +136,27 @@ class SecondaryGather(WeightGather):
         self.topology = comms.topology
         self.inner = inner
         self.secondaries = secondaries if secondaries is not None else Secondaries(comms.topology)
+        self._world: dict[int, int] = {}  # id(flat) -> generation at the start of its world gather
 
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
         secondary = self.secondaries.get(flat)
         if secondary is not None:
             return self.topology.intra.all_gather_async(full, secondary)
+        self._world[id(flat)] = self.secondaries.generation(flat)
         return self.inner.start(flat, full)
 
     def finish(self, flat: FlatShard, full: torch.Tensor) -> None:
-        if self.secondaries.get(flat) is not None:
-            return  # gathered from it
+        started = self._world.pop(id(flat), None)
+        if started is None:
+            return  # gathered from the secondary shards
         self.inner.finish(flat, full)
         self.secondaries.keep(flat, full)
+        if self.secondaries.generation(flat) != started:  # the weights changed while it was on its way
+            self.outdated(flat)
+
+    def outdated(self, flat: FlatShard) -> None:
+        """The slice just kept holds weights that changed since its gather started: drop it."""
+        self.secondaries.drop(flat)
 
     def kept(self, flat: FlatShard) -> list[torch.Tensor]:
         secondary = self.secondaries.get(flat)
