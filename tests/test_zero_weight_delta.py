@@ -22,6 +22,7 @@ from tests.gpt import GPT, CharCorpus, GPTConfig
 from zpp.comm.collectives import effective_group_size
 from zpp.quant import reference as ref
 from zpp.zero.deepspeed_config import from_deepspeed
+from zpp.zero.gather.delta import DeltaSecondaryGather
 
 GPT_CFG = dict(n_layer=2, n_embd=96, n_head=4, block_size=32)
 BATCH = 4
@@ -62,6 +63,11 @@ def _capture(engine):
     return seen
 
 
+def _delta_gathers(engine):
+    """The engine's weight-delta gathers (forward and backward), each once."""
+    return [g for g in {id(g): g for g in engine.comms.gathers.values()}.values() if isinstance(g, DeltaSecondaryGather)]
+
+
 def _exact(t, engine):
     """Every unit's exact full flat weights (the fp32 masters, gathered)."""
     out = {}
@@ -74,7 +80,7 @@ def _exact(t, engine):
 
 def _q(x, bits):
     """deq(Q(x)) of one rank's shard as the collective quantizes it (plain torch)."""
-    gs = effective_group_size(min(GROUP, x.numel()), x.numel())
+    gs = effective_group_size(GROUP, x.numel())
     data, scales = ref.quantize(x, bits, gs, True)
     return ref.dequantize(data, scales, x.numel(), bits, gs, True, torch.float32)
 
@@ -90,6 +96,7 @@ def _refresh_run(t, precision):
     g = torch.Generator().manual_seed(17 + t.rank)
     degree = t.world_size
     copy, mismatches, err_delta, err_int8, inter = None, [], [], [], []
+    seen = _capture(engine)
     for step in range(STEPS):
         exact = _exact(t, engine)
         shards = {k: w.to(dtype) for k, w in exact.items()}  # what each rank gathers from
@@ -98,7 +105,6 @@ def _refresh_run(t, precision):
         else:  # then the int4 codes of the differences, added in fp32 and cast back
             copy = {k: (copy[k].float() + _per_shard(shards[k].float() - copy[k].float(), degree,
                                                       lambda s: _q(s, 4))).to(dtype) for k in exact}
-        seen = _capture(engine) if step == 0 else seen
         seen.clear()
         t.counters.reset()
         x, y = data.batch(BATCH, GPT_CFG["block_size"], g)
@@ -113,8 +119,7 @@ def _refresh_run(t, precision):
             err_delta.append(((torch.cat([copy[k].float() for k in exact]) - w).norm() / w.norm()).item())
             q8 = torch.cat([_per_shard(shards[k], degree, lambda s: _q(s, 8)) for k in exact])
             err_int8.append(((q8 - w).norm() / w.norm()).item())
-    gathers = [gg for gg in {id(gg): gg for gg in engine.comms.gathers.values()}.values()
-               if hasattr(gg, "refreshes")]
+    gathers = _delta_gathers(engine)
     counts = (sum(gg.world_gathers for gg in gathers), sum(gg.refreshes for gg in gathers))
     units = [(u.layout.shard_numel, u.index) for u in engine.units]
     engine.close()
@@ -203,8 +208,7 @@ def _replaced_run(t):
             wte.data[3].zero_()
     seen = []
     handle = engine.module.register_forward_hook(lambda m, a, out: seen.append(None))
-    gathers = [gg for gg in {id(gg): gg for gg in engine.comms.gathers.values()}.values()
-               if hasattr(gg, "refreshes")]
+    gathers = _delta_gathers(engine)
     before = sum(gg.world_gathers for gg in gathers)
     row = []
     hook = engine.module.wte.register_forward_pre_hook(lambda m, a: row.append(m.weight.detach()[3].clone()))

@@ -75,9 +75,7 @@ def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGat
     name = forward_gather_name(comms)
     forward = plain if name == "plain" else GATHERS[name](comms)
     backward = plain
-    if comms.config.zpp.weight_delta_bits is not None and policy.secondary_degree <= 1:
-        raise ValueError(f"zpp.weight_delta_bits={comms.config.zpp.weight_delta_bits} refreshes hpZ's node copy "
-                         "and needs zero_optimization.zero_hpz_partition_size > 1 (the ranks per node) at stage 3")
+    # zpp.weight_delta_bits without hpZ is refused by TrainConfig before an engine exists
     if policy.secondary_degree > 1:  # one store: see [Note: the secondary shard belongs to hpZ]
         store = Secondaries(comms.topology)
         wrap = SecondaryGather if comms.config.zpp.weight_delta_bits is None else DeltaSecondaryGather

@@ -88,7 +88,7 @@ class DeltaSecondaryGather(SecondaryGather):
         old = self.topology.intra.all_gather_async(full, secondary)
         deltas = torch.empty(flat.layout.padded_numel, dtype=torch.float32, device=shard.device)
         work = quantized_all_gather_async(deltas, shard.float() - own.float(), transport=self.world, bits=self.bits,
-                                          group_size=min(self.group_size, flat.layout.shard_numel),
+                                          group_size=self.group_size,
                                           topology=self.two_hop)
         self.refreshes += 1
 

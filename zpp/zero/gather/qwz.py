@@ -41,8 +41,9 @@ class QuantizedGather(WeightGather):
         bits = self.by_nbytes.get(full.numel() * full.element_size(), self.bits)
         if bits is None:
             return all_gather_async(self.world, self.topology, full, flat.compute_shard())
-        gs = min(self.group_size, flat.layout.shard_numel)
-        return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=bits, group_size=gs,
+        # (the collective caps the group at the shard: effective_group_size)
+        return quantized_all_gather_async(full, flat.compute_shard(), transport=self.world, bits=bits,
+                                          group_size=self.group_size,
                                           topology=self.topology)
 
     def __repr__(self) -> str:
