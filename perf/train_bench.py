@@ -65,6 +65,10 @@ VARIANTS = {
     "zero3-zeropp-gg2048": {"stage": 3, **_ZEROPP, "zpp": {"gradient_group_size": 2048}},
     # hpZ's node copy kept across steps and refreshed by int4 weight deltas (zpp.weight_delta_bits)
     "zero3-zeropp-delta4": {"stage": 3, **_ZEROPP, "zpp": {"weight_delta_bits": 4}},
+    # the prefetch window fixed at DeepSpeed's default (5e7 elements; zpp's default before 2026-12-07)
+    # instead of measured on the first pass ("auto")
+    "zero3-b5e7": {"stage": 3, "stage3_prefetch_bucket_size": 50_000_000},
+    "zero3-zeropp-b5e7": {"stage": 3, **_ZEROPP, "stage3_prefetch_bucket_size": 50_000_000},
     # qgZ's two hops on one reduction thread instead of pipelined over two
     "zero3-zeropp-1worker": {"stage": 3, **_ZEROPP, "zpp": {"pipeline_reductions": False}},
     # the weight gathers in two hops (zpp.hierarchical_gather: ZeRO++'s default) or in one
@@ -176,6 +180,9 @@ def _run_variant(t, name, args, data):
         # each unit's elements and whether it stays whole at stage 3 (for zpp/tune/cost.py)
         row["units"] = [[u.layout.numel, not u.shards_params] for u in engine.units]
         row["gather_trace"] = [[i, phase.value] for i, phase in engine._prefetch.trace() or ()]
+        ps = engine.prefetch_stats  # the window (measured or set) and the most elements gathered ahead at once
+        row["prefetch"] = {"window_numel": ps.window_numel, "peak_inflight_numel": ps.peak_inflight_numel,
+                           "largest_unit_numel": max(u.layout.padded_numel for u in engine.units)}
         row["bytes_source"] = "counters"
         if args.trace:
             row["trace"] = _trace_step(t, args, data, engine)

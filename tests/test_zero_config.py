@@ -204,6 +204,24 @@ def test_prefetch_switch():
         from_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -1}})
 
 
+def test_prefetch_window_keys():
+    """The window is measured unless the user sets it; max_live_parameters bounds it."""
+    z = from_deepspeed({"zero_optimization": {"stage": 3}}).zero
+    assert (z.prefetch_bucket_size, z.max_live_parameters) == ("auto", 1_000_000_000)
+    z = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                              "stage3_max_live_parameters": 3e7}}).zero
+    assert (z.prefetch_bucket_size, z.max_live_parameters) == ("auto", 30_000_000)
+    assert from_deepspeed({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 5e7}}).zero.prefetch_bucket_size \
+        == 50_000_000
+    for bad in ("sometimes", True, 1.5, -3):
+        with pytest.raises(ValueError, match=f"stage3_prefetch_bucket_size={bad!r}.*or \"auto\""):
+            from_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": bad}})
+        with pytest.raises(ValueError, match=f"prefetch_bucket_size={bad!r}.*or \"auto\""):
+            ZeroConfig(stage=3, prefetch_bucket_size=bad)
+    with pytest.raises(ValueError, match="stage3_max_live_parameters=-1"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1}})
+
+
 # ---------------------------------------------------------------------- strict types (issue 12)
 @pytest.mark.parametrize("ds,exc,words", [
     ({"bf16": {"enabled": "false"}}, ValueError, ["bf16.enabled='false'", "not a boolean"]),
@@ -309,7 +327,7 @@ ACCEPTED_SAMPLES = {
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": 0.8,
     "zero_optimization.contiguous_gradients": True,
     "zero_optimization.reduce_scatter": True, "zero_optimization.allgather_partitions": True,
-    "zero_optimization.use_multi_rank_bucket_allreduce": True, "zero_optimization.stage3_max_live_parameters": 3e7,
+    "zero_optimization.use_multi_rank_bucket_allreduce": True,
     "zero_optimization.stage3_max_reuse_distance": 1e9, "zero_optimization.stage3_model_persistence_threshold": 10**9,
     "zero_optimization.stage3_module_granularity_threshold": 0,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,
@@ -394,13 +412,13 @@ def test_accepted_keys_logged_once():
     try:
         ds = {**_BASE, "wall_clock_breakdown": True, "steps_per_print": 10,
               "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": False,
-                                    "round_robin_gradients": True, "stage3_max_live_parameters": 123456}}
+                                    "round_robin_gradients": True, "stage3_max_reuse_distance": 123456}}
         for _ in range(3):
             from_deepspeed(ds)
     finally:
         logger.removeHandler(handler)
     for key in ("wall_clock_breakdown=True", "contiguous_gradients=False",
-                "round_robin_gradients=True", "stage3_max_live_parameters=123456"):
+                "round_robin_gradients=True", "stage3_max_reuse_distance=123456"):
         assert sum(key in m for m in seen) == 1, (key, seen)
 
 
@@ -415,6 +433,7 @@ def test_implemented_keys_change_the_config():
         "zero_optimization.zero_quantized_weights": True, "zero_optimization.zero_hpz_partition_size": 2,
         "zero_optimization.zero_quantized_gradients": True, "zero_optimization.reduce_bucket_size": 1000,
         "zero_optimization.overlap_comm": False, "zero_optimization.allgather_bucket_size": 1000, "zero_optimization.stage3_prefetch_bucket_size": 0,
+        "zero_optimization.stage3_max_live_parameters": 1000,
         "zero_optimization.stage3_param_persistence_threshold": 1e4,
         "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
         "zero_optimization.stage3_gather_fp16_weights_on_model_save": True,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import zpp.zero as zz
 from tests.dist import run_world
 from tests.gpt import GPT, GPTConfig
+from zpp.zero.prefetch_depth import choose_window
 from zpp.zero.shard import ShardState
 
 STEPS = 4
@@ -42,12 +43,13 @@ class Swappy(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, 32), y.reshape(-1))
 
 
-def _cfg(switches, prefetch, bucket=50_000_000, gas=1):
+def _cfg(switches, prefetch, bucket=50_000_000, gas=1, max_live=None):
+    live = {} if max_live is None else {"stage3_max_live_parameters": max_live}
     return {
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
-                              **switches},
+                              **switches, **live},
         "zpp": {"prefetch": prefetch, "unit_min_numel": 0},  # a unit per module: many gathers to prefetch
     }
 
@@ -175,3 +177,45 @@ def test_prefetch_is_exact_and_moves_the_same_bytes(world, rpn):
         assert off_started == 0 and on_started > 0, res["memory"]
         assert on_bytes == off_bytes + on_started, res["memory"]  # started buffers are counted
     print({k: v["stats"] for k, v in results[0].items() if isinstance(v, dict) and "stats" in v})
+
+
+def _auto_world(t):
+    """The measured window ("auto") and stage3_max_live_parameters: the same losses as no
+    prefetch, the window agreed over ranks, the bounds kept."""
+    batches = _batches(t.rank, STEPS)
+    out = {}
+    off = _train(t, _gpt(), _cfg(SWITCHES["all"], False), batches)
+    on = _train(t, _gpt(), _cfg(SWITCHES["all"], True, bucket="auto"), batches)
+    s = on[2]
+    out["auto"] = dict(same_losses=off[0] == on[0], same_wire_after=off[1][1:] == on[1][1:], stats=s,
+                       mine=choose_window(s.measured, 1_000_000_000))
+    model = _gpt()
+    engine, *_ = zz.initialize(model=model, config=_cfg({}, True), transport=t)
+    sizes = sorted(u.layout.padded_numel for u in engine.units)
+    engine.close()
+    off = _train(t, _gpt(), _cfg({}, False), batches)
+    for name, live in (("none", 0), ("two", 2 * sizes[-1])):
+        on = _train(t, _gpt(), _cfg({}, True, max_live=live), batches)
+        out[name] = dict(same_losses=off[0] == on[0], stats=on[2], live=live, smallest=sizes[0])
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_measured_window_and_max_live_parameters():
+    results = run_world(_auto_world, 2, timeout=180)
+    windows = {r["auto"]["stats"].window_numel for r in results}
+    assert len(windows) == 1, windows  # one window on every rank ...
+    assert windows == {max(r["auto"]["mine"] for r in results)}  # ... the largest any rank chose
+    for r in results:
+        a = r["auto"]
+        s = a["stats"]
+        assert a["same_losses"] and a["same_wire_after"], a
+        assert len(s.measured) > 0 and all(m.gather_s > 0 and m.compute_s >= 0 for m in s.measured), s.measured
+        assert s.prefetched > 0 and s.hits == s.prefetched and s.dropped == 0, s
+        assert 0 < s.peak_inflight_numel <= s.window_numel, s
+        assert r["none"]["same_losses"] and r["none"]["stats"].prefetched == 0, r["none"]
+        assert r["none"]["stats"].passes == STEPS, r["none"]
+        two = r["two"]
+        assert two["same_losses"] and two["stats"].prefetched > 0, two
+        # the unit running is gathered beside what is started
+        assert two["stats"].peak_inflight_numel <= two["live"] - two["smallest"], two

@@ -110,10 +110,18 @@ class ZeroConfig:
     """With the optimizer state on NVMe: the most elements of one unit at stages 0-2 (and of
     stage 3's buckets of small parameters), so the state streams in pieces of this size
     (DeepSpeed's tile of the offloaded optimizer step) (Default: 1e9)."""
-    prefetch_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int | Literal["auto"] = "auto"
     """Stage 3: elements of parameter gathers started ahead of use (in the order recorded
-    on the first pass) that may be in flight or waiting at once; 0 turns prefetch off. See
-    [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` (Default: 5e7)."""
+    on the first pass) that may be in flight or waiting at once; 0 turns prefetch off;
+    "auto" chooses it at the end of the first pass from that pass's measured gathers and
+    compute (the smallest window that hides as much of the link as an unbounded one, plus one
+    gather). See [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` and [Note: the prefetch
+    window from the measured link] in :mod:`zpp.zero.prefetch_depth` (Default: "auto";
+    DeepSpeed's default is 5e7)."""
+    max_live_parameters: int = 1_000_000_000
+    """Stage 3: no gather is started ahead while the units gathered and those started would
+    hold more elements than this (DeepSpeed's ``stage3_max_live_parameters``; a gather at its
+    point of use always runs) (Default: 1e9, DeepSpeed's)."""
     param_persistence_threshold: int = 100_000
     """Stage 3: a parameter with fewer elements than this is not partitioned but stays whole
     on every rank (DeepSpeed's ``stage3_param_persistence_threshold``; see [Note: persistent
@@ -144,7 +152,12 @@ class ZeroConfig:
             check_bool(w, "overlap_comm", self.overlap_comm)
         for name in ("reduce_bucket_size", "allgather_bucket_size", "hpz_partition_size", "sub_group_size"):
             check_int(w, name, getattr(self, name), lo=1)
-        for name in ("prefetch_bucket_size", "param_persistence_threshold"):
+        if self.prefetch_bucket_size != "auto":
+            try:
+                check_int(w, "prefetch_bucket_size", self.prefetch_bucket_size, lo=0)
+            except ValueError:
+                raise fail(w, "prefetch_bucket_size", self.prefetch_bucket_size, 'an integer >= 0 or "auto"') from None
+        for name in ("param_persistence_threshold", "max_live_parameters"):
             check_int(w, name, getattr(self, name), lo=0)
         for name in ("offload_optimizer", "offload_param"):
             if not isinstance(getattr(self, name), OffloadConfig):

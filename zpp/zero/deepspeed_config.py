@@ -254,6 +254,7 @@ def _zero(zero: Mapping[str, Any], notes: list[str]) -> ZeroConfig:
                      ("allgather_bucket_size", "allgather_bucket_size"),
                      ("sub_group_size", "sub_group_size"),
                      ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+                     ("stage3_max_live_parameters", "max_live_parameters"),
                      ("stage3_param_persistence_threshold", "param_persistence_threshold"),
                      ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"),
                      ("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save")):

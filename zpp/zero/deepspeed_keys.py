@@ -84,6 +84,16 @@ def _int(lo=None):
     return lambda p, v: check_int(WHERE, p, v, lo=lo, lenient=True)
 
 
+def _int_or_auto(p, v):
+    """An integer >= 0 (an integral float too), or "auto": zpp chooses."""
+    if v == "auto":
+        return v
+    try:
+        return check_int(WHERE, p, v, lo=0, lenient=True)
+    except ValueError:
+        raise fail(WHERE, p, v, 'an integer >= 0 or "auto"') from None
+
+
 def _num(lo=None, lo_open=False, hi=None):
     return lambda p, v: check_number(WHERE, p, v, lo=lo, lo_open=lo_open, hi=hi)
 
@@ -235,7 +245,10 @@ _KEY_LIST: list[DsKey] = [
     _impl(f"{_ZERO}.zero_quantized_gradients", "ZeroConfig.quantized_gradients (qgZ)", _bool),
     _impl(f"{_ZERO}.reduce_bucket_size", "ZeroConfig.reduce_bucket_size", _int(lo=1)),
     _impl(f"{_ZERO}.allgather_bucket_size", "ZeroConfig.allgather_bucket_size", _int(lo=1)),
-    _impl(f"{_ZERO}.stage3_prefetch_bucket_size", "ZeroConfig.prefetch_bucket_size (0: no prefetch)", _int(lo=0)),
+    _impl(f"{_ZERO}.stage3_prefetch_bucket_size", 'ZeroConfig.prefetch_bucket_size (0: no prefetch; "auto", the '
+          "default: chosen from the first pass's measured gathers and compute)", _int_or_auto),
+    _impl(f"{_ZERO}.stage3_max_live_parameters", "ZeroConfig.max_live_parameters: no gather starts ahead past it",
+          _int(lo=0)),
     _impl(f"{_ZERO}.stage3_param_persistence_threshold", "ZeroConfig.param_persistence_threshold", _int(lo=0)),
     *[x for dev in _OFF for x in (
         _impl(f"{_ZERO}.{dev}", f"ZeroConfig.{dev} (OffloadConfig)" + (
@@ -269,8 +282,6 @@ _KEY_LIST: list[DsKey] = [
     _accept(f"{_ZERO}.reduce_scatter", "zpp reduce-scatters at stages 2-3, all-reduces below", _bool),
     _accept(f"{_ZERO}.allgather_partitions", "zpp all-gathers", _bool),
     _accept(f"{_ZERO}.use_multi_rank_bucket_allreduce", "zpp's buckets are per unit", _bool),
-    _accept(f"{_ZERO}.stage3_max_live_parameters", "zpp releases each unit after use; prefetch is bounded "
-            "by stage3_prefetch_bucket_size", _int(lo=0)),
     _accept(f"{_ZERO}.stage3_max_reuse_distance", "zpp releases each unit after use (reuse distance 0)",
             _int(lo=0)),
     _accept(f"{_ZERO}.stage3_model_persistence_threshold", "zpp does not cap the persistent parameters",

@@ -168,6 +168,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
             largest = max((u.layout.padded_numel for u in self.units if u.trainable), default=0)
             self.comms.reducer.max_numel = min(config.zero.reduce_bucket_size, 2 * largest)
         self._prefetch = Prefetcher(self.units, bucket_numel=config.zero.prefetch_bucket_size,
+                                    max_live_numel=config.zero.max_live_parameters,
                                     enabled=policy.shard_parameters and config.zpp.prefetch, world=world)
         self.hooks = EngineHooks(module, plan, policy=policy, prefetcher=self._prefetch)
         self.hooks.close_engine = self.close  # the registry keeps this engine until it is closed

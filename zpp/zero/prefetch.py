@@ -13,9 +13,12 @@ gathered already) is one entry ``(unit index, phase)`` of the pass's sequence.
   they agree, after serving entry ``i`` the engine starts the gathers of trace entries
   ``i + 1, i + 2, ...`` (:meth:`Unit.start_gather <zpp.zero.unit.Unit.start_gather>`, on
   the transport's asynchronous all-gather) as long as the started-but-not-yet-used units
-  hold at most ``stage3_prefetch_bucket_size`` elements, stopping at the first entry whose
-  unit is still gathered or in flight (it is started at a later entry). The hook asking
-  for a started unit waits for it instead of gathering.
+  hold at most the *window* (``stage3_prefetch_bucket_size`` elements, or with "auto", zpp's
+  default, the window chosen from the first pass: [Note: the prefetch window from the
+  measured link] in :mod:`zpp.zero.prefetch_depth`), and the units gathered plus those
+  started hold at most ``stage3_max_live_parameters`` elements, stopping at the first entry
+  whose unit is still gathered or in flight (it is started at a later entry). The hook
+  asking for a started unit waits for it instead of gathering.
 * At the first entry that differs, the pass stops prefetching (counted in
   ``PrefetchStats.mismatches``); gathers already started are used if asked for with the
   same phase, else waited for and dropped (``dropped``). At the end of that pass its
@@ -30,19 +33,22 @@ collectives in the same order, with or without a mismatch, and prefetch never re
 one rank against another. A prefetched gather moves exactly the bytes the gather at the
 point of use would move; only dropped gathers add bytes.
 
-Memory: a started gather allocates its full buffer at once, so up to
-``stage3_prefetch_bucket_size`` elements of full buffers are held beyond what the module
-running needs; ``ZeroEngine.model_state_bytes`` counts them as parameters while they exist
+Memory: a started gather allocates its full buffer at once, so up to the window's elements
+of full buffers are held beyond what the module running needs; ``ZeroEngine.model_state_bytes`` counts them as parameters while they exist
 and ``PrefetchStats.peak_inflight_numel`` records the most held at once.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 import zlib
 from collections.abc import Sequence
 
+import torch
+
 from zpp.comm.transport import Transport
 from zpp.zero.comm_api import Phase
+from zpp.zero.prefetch_depth import Measured, choose_window
 from zpp.zero.unit import Unit
 from zpp.zero.shard import ShardState
 
@@ -71,6 +77,11 @@ class PrefetchStats:
     asynchronous all-gather): prefetched, but with no overlap."""
     peak_inflight_numel: int = 0
     """Most elements of full buffers started but not yet used, at any time."""
+    window_numel: int | None = None
+    """Elements of gathers allowed ahead of use: ``stage3_prefetch_bucket_size``, or with
+    "auto" the window chosen at the end of the first pass (None until then)."""
+    measured: tuple[Measured, ...] = ()
+    """With "auto": this rank's timed gathers of the first pass, which chose the window."""
 
 
 class Prefetcher:
@@ -80,18 +91,26 @@ class Prefetcher:
     Args:
         units: the engine's units (indexed by ``Unit.index``).
         bucket_numel: ``stage3_prefetch_bucket_size``: elements of started-but-unused full
-            buffers allowed at once; 0 turns prefetching off.
+            buffers allowed at once; 0 turns prefetching off; "auto": chosen from the
+            first pass's measured gathers and compute (see [Note: the prefetch window from
+            the measured link]).
+        max_live_numel: ``stage3_max_live_parameters``: no gather is started ahead while
+            the units gathered and started would hold more elements than this.
         enabled: ``zpp.prefetch``; False turns prefetching off (nothing is traced; the
             engine gathers at the point of use, as without a prefetcher).
         world: the engine's transport (for the trace agreement check).
     """
 
-    def __init__(self, units: Sequence[Unit], *, bucket_numel: int, enabled: bool, world: Transport) -> None:
+    def __init__(self, units: Sequence[Unit], *, bucket_numel: int | str, enabled: bool, world: Transport,
+                 max_live_numel: int | None = None) -> None:
         self.units = list(units)
-        self.bucket_numel = bucket_numel
-        self.enabled = enabled and bucket_numel > 0
+        self.auto = bucket_numel == "auto"
+        self.bucket_numel = None if self.auto else bucket_numel
+        self.max_live_numel = max_live_numel
+        self.enabled = enabled and (self.auto or bucket_numel > 0)
         self.world = world
-        self.stats = PrefetchStats()
+        self.stats = PrefetchStats(window_numel=self.bucket_numel)
+        self._timed: list[tuple[int, int, float, float]] | None = None  # (unit, numel, asked, served)
         self._traces: dict[bool, list[Entry]] = {}
         self._kind: bool | None = None  # the open pass's kind (grad enabled), None: no pass
         self._seq: list[Entry] = []
@@ -115,6 +134,8 @@ class Prefetcher:
         self._seq = []
         self._matching = self.enabled and grad in self._traces
         self._next = 0
+        # the first pass (gathers in line) times its gathers when the window is "auto"
+        self._timed = [] if self.auto and self.bucket_numel is None else None
 
     def gather(self, unit: Unit, phase: Phase) -> None:
         """A hook needs ``unit`` gathered for ``phase``."""
@@ -138,18 +159,27 @@ class Prefetcher:
                 self.stats.hits += 1
             else:
                 self.stats.dropped += 1  # Unit.gather drops it and gathers again
+        asked = time.perf_counter()
         unit.gather(phase)
+        if self._timed is not None:
+            self._timed.append((unit.index, unit.layout.padded_numel, asked, time.perf_counter()))
         if self._matching:
             self._start_ahead(pos + 1)
 
     def _start_ahead(self, first: int) -> None:
         trace = self._traces[self._kind]
         i = max(first, self._next)
+        live = None
+        if self.max_live_numel is not None:
+            live = self._started_numel + sum(u.layout.padded_numel for u in self.units
+                                             if u.flat.state is ShardState.GATHERED)
         while i < len(trace):
             index, phase = trace[i]
             u = self.units[index]
             n = u.layout.padded_numel
             if u.flat.state is not ShardState.SHARDED or self._started_numel + n > self.bucket_numel:
+                break
+            if live is not None and live + n > self.max_live_numel:
                 break
             work = u.start_gather(phase)
             self._started.add(index)
@@ -157,6 +187,8 @@ class Prefetcher:
             self.stats.prefetched += 1
             self.stats.synchronous += not work.asynchronous
             self.stats.peak_inflight_numel = max(self.stats.peak_inflight_numel, self._started_numel)
+            if live is not None:
+                live += n
             i += 1
         self._next = i
 
@@ -168,6 +200,9 @@ class Prefetcher:
             return
         kind, seq = self._kind, self._seq
         self._kind = None
+        if self._timed is not None:
+            self._choose_window(self._timed, time.perf_counter())
+            self._timed = None
         for index in sorted(self._started):  # the same order on every rank
             self.units[index].drop_started()
             self.stats.dropped += 1
@@ -183,6 +218,20 @@ class Prefetcher:
             code = zlib.crc32(repr(seq).encode())
             self.world.check_agree("zpp stage 3 prefetch trace (every rank must run the same graph)",
                                    (len(seq), code), ("gathers", "crc32"))
+
+    def _choose_window(self, timed: list[tuple[int, int, float, float]], end: float) -> None:
+        """The window from this pass's timed gathers, the largest over ranks (collective:
+        every rank closes its first pass at the same point)."""
+        ends = [asked for _, _, asked, _ in timed[1:]] + [end]
+        steps = tuple(Measured(unit, numel, served - asked, max(0.0, nxt - served))
+                      for (unit, numel, asked, served), nxt in zip(timed, ends))
+        mine = choose_window(steps, self.max_live_numel)
+        device = next((u.flat.device for u in self.units), torch.device("cpu"))
+        agreed = torch.tensor([mine], dtype=torch.int64, device=device)
+        self.world.all_reduce(agreed, "max")
+        self.bucket_numel = int(agreed.item())
+        self.stats.window_numel = self.bucket_numel
+        self.stats.measured = steps
 
     def trace(self, grad: bool = True) -> list[Entry] | None:
         """The recorded trace of passes with (or without) grad, or None."""

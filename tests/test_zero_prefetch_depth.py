@@ -1,0 +1,44 @@
+"""The prefetch window's model (zpp.zero.prefetch_depth, [Note: the prefetch window from the
+measured link]) on passes whose prefetched time is worked out by hand."""
+import pytest
+
+from zpp.zero.prefetch_depth import HEADROOM, Measured, choose_window, simulate
+
+N = 1000
+
+
+def _pass(*gc):
+    return [Measured(unit=i, numel=N, gather_s=g, compute_s=c) for i, (g, c) in enumerate(gc)]
+
+
+def test_a_link_slower_than_compute_needs_one_gather_ahead():
+    steps = _pass((2, 1), (2, 1), (2, 1), (2, 1))
+    assert simulate(steps, 0) == 12  # every gather in line: 4 x (2 + 1)
+    # the link never idles once gather 1 is queued behind gather 0: 4 x 2 + the last compute
+    assert simulate(steps, N) == simulate(steps, 4 * N) == 9
+    assert choose_window(steps) == (1 + HEADROOM) * N
+
+
+def test_a_long_compute_then_large_gathers_needs_a_deeper_window():
+    steps = _pass((1, 3), (1, 0.1), (3, 0.1), (3, 0.1))
+    # unbounded: the link runs 1, 2, 3 back to back from t=1 (ends 2, 5, 8); the last compute ends 8.1
+    assert simulate(steps, 4 * N) == pytest.approx(8.1)
+    # one ahead: gather 2 starts only when entry 1 is served (t=4), gather 3 at 7.1
+    assert simulate(steps, N) == pytest.approx(10.1)
+    assert simulate(steps, 2 * N) == pytest.approx(8.1)
+    assert choose_window(steps) == (2 + HEADROOM) * N
+    assert choose_window(steps, limit=2 * N) == 2 * N  # stage3_max_live_parameters caps it
+
+
+def test_a_unit_is_not_started_while_it_is_running():
+    # the same unit twice in a row (its forward, then its backward): the second waits in line
+    steps = [Measured(0, N, 1, 1), Measured(0, N, 1, 1)]
+    assert simulate(steps, 10 * N) == 4
+
+
+def test_bad_values():
+    assert choose_window([]) == 0
+    with pytest.raises(ValueError, match="window=-1"):
+        simulate(_pass((1, 1)), -1)
+    with pytest.raises(ValueError, match="limit=-2"):
+        choose_window(_pass((1, 1)), limit=-2)

@@ -1,0 +1,112 @@
+"""How far ahead stage 3 gathers: the prefetch window chosen from a measured pass.
+
+    window = choose_window(steps, limit=max_live_parameters)   # elements
+    seconds = simulate(steps, window)                          # the pass it predicts
+
+[Note: the prefetch window from the measured link]
+With ``stage3_prefetch_bucket_size: "auto"`` (zpp's default) the first pass of an engine
+gathers every unit at its point of use, in line, and times each gather (``gather_s``: the
+link and the transport for that unit, nothing else overlapping it on this thread) and the
+compute that follows it up to the next gather (``compute_s``). Those times give a model of
+a prefetched pass:
+
+* the transport runs started gathers one after another (one queue);
+* a gather that was not started ahead starts when it is asked for, behind the queue;
+* the prefetcher's rule (zpp.zero.prefetch): after serving entry ``i`` it starts entries
+  ``i + 1, ...`` while the elements started but not yet used stay within the window,
+  stopping at a unit already started.
+
+:func:`simulate` plays a pass through that model; :func:`choose_window` takes the smallest
+window of ``k`` times the largest gather whose predicted pass is within
+``TOLERANCE`` of an unbounded window's, then one largest gather more (``HEADROOM``: the
+measured times jitter from pass to pass, and one more gather in the queue keeps the link
+busy when a gather runs late). A link slower than the compute gains nothing from a deep
+window (the link is the bottleneck once one gather is queued behind the running one);
+uneven units (an embedding's gather behind a run of small blocks, a backward's intra-node
+gathers after the forward's inter-node ones) need a deeper one, and the model finds how
+deep. What the window saves is memory: the elements gathered ahead are full buffers held
+beside the running unit (``PrefetchStats.peak_inflight_numel``).
+
+Every rank measures its own pass; the engine takes the largest window over ranks (one
+all-reduce of one integer at the end of the first pass), because the window decides when
+gathers are issued relative to the other collectives of a pass, which must be the same on
+every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = ["HEADROOM", "TOLERANCE", "Measured", "choose_window", "simulate"]
+
+TOLERANCE = 0.02
+"""A window is deep enough when its predicted pass is within this fraction of an unbounded
+window's."""
+HEADROOM = 1
+"""Largest gathers added to the smallest window the model accepts."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Measured:
+    """One gather of a pass run without prefetch."""
+
+    unit: int
+    """The unit gathered (``Unit.index``)."""
+    numel: int
+    """Elements of its full buffer (what a prefetch holds while it waits)."""
+    gather_s: float
+    """Seconds the gather took at its point of use."""
+    compute_s: float
+    """Seconds from the gather's end to the next gather asked for (or the pass's end)."""
+
+
+def simulate(steps: Sequence[Measured], window: int) -> float:
+    """Seconds of a pass with ``window`` elements of gathers allowed ahead of use, predicted
+    from a pass measured without prefetch (see [Note: the prefetch window from the measured
+    link])."""
+    if window < 0:
+        raise ValueError(f"simulate: window={window} must be >= 0")
+    now = link_free = 0.0
+    ready: dict[int, float] = {}  # entry -> when its gather ends, for entries started ahead
+    started_numel = 0
+    started_units: set[int] = set()
+    nxt = 0
+    for i, s in enumerate(steps):
+        if i in ready:  # started ahead: wait for it
+            now = max(now, ready.pop(i))
+            started_numel -= s.numel
+            started_units.discard(s.unit)
+        else:  # gathered in line, behind whatever the transport is still running
+            link_free = max(now, link_free) + s.gather_s
+            now = link_free
+        j = max(i + 1, nxt)
+        while j < len(steps):
+            t = steps[j]
+            if t.unit == s.unit or t.unit in started_units or started_numel + t.numel > window:
+                break
+            link_free = max(now, link_free) + t.gather_s
+            ready[j] = link_free
+            started_numel += t.numel
+            started_units.add(t.unit)
+            j += 1
+        nxt = j
+        now += s.compute_s
+    return now
+
+
+def choose_window(steps: Sequence[Measured], limit: int | None = None) -> int:
+    """The prefetch window (elements) for passes like ``steps``: the smallest ``k`` times
+    the largest gather within :data:`TOLERANCE` of an unbounded window's predicted pass,
+    plus :data:`HEADROOM` largest gathers, and at most ``limit``. 0 when nothing is
+    gathered."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"choose_window: limit={limit} must be >= 0")
+    if not steps:
+        return 0
+    biggest = max(s.numel for s in steps)
+    best = simulate(steps, sum(s.numel for s in steps))
+    k = 1
+    while k < len(steps) and simulate(steps, k * biggest) > best * (1 + TOLERANCE):
+        k += 1
+    window = (k + HEADROOM) * biggest
+    return window if limit is None else min(window, limit)
