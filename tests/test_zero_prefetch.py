@@ -115,6 +115,8 @@ def _world(t):
     small = _train(t, _gpt(), _cfg({}, True, bucket=biggest), batches)
     zero = _train(t, _gpt(), _cfg({}, True, bucket=0), batches)
     out["small"] = dict(stats=small[2], biggest=biggest, same=small[0] == out["plain"]["losses"])
+    tiny = _train(t, _gpt(), _cfg({}, True, bucket=1), batches)
+    out["tiny"] = dict(stats=tiny[2], same=tiny[0] == out["plain"]["losses"])
     out["plain"].pop("losses")
     out["zero"] = dict(stats=zero[2])
     out["memory"] = _memory(t, batches)
@@ -171,7 +173,11 @@ def test_prefetch_is_exact_and_moves_the_same_bytes(world, rpn):
             assert sw["wire_on"][i] == sw["wire_off"][i], (i, sw["wire_on"][i], sw["wire_off"][i])
         small = res["small"]
         assert small["same"] and small["stats"].prefetched > 0, small
-        assert small["stats"].peak_inflight_numel <= small["biggest"], small
+        # the count is checked before each start: at most the bucket and one unit more
+        assert small["stats"].peak_inflight_numel < 2 * small["biggest"], small
+        tiny = res["tiny"]  # a bucket below one unit (the Trainer's 0.9 x hidden^2) still starts one ahead
+        assert tiny["same"] and tiny["stats"].prefetched > 0, tiny
+        assert tiny["stats"].peak_inflight_numel <= small["biggest"], tiny
         assert res["zero"]["stats"].prefetched == 0 and res["zero"]["stats"].passes == 0
         (off_bytes, off_started), (on_bytes, on_started) = res["memory"][False], res["memory"][True]
         assert off_started == 0 and on_started > 0, res["memory"]
@@ -212,7 +218,7 @@ def test_measured_window_and_max_live_parameters():
         assert a["same_losses"] and a["same_wire_after"], a
         assert len(s.measured) > 0 and all(m.gather_s > 0 and m.compute_s >= 0 for m in s.measured), s.measured
         assert s.prefetched > 0 and s.hits == s.prefetched and s.dropped == 0, s
-        assert 0 < s.peak_inflight_numel <= s.window_numel, s
+        assert 0 < s.peak_inflight_numel < s.window_numel + max(m.numel for m in s.measured), s
         assert r["none"]["same_losses"] and r["none"]["stats"].prefetched == 0, r["none"]
         assert r["none"]["stats"].passes == STEPS, r["none"]
         two = r["two"]

@@ -2,7 +2,7 @@
 measured link]) on passes whose prefetched time is worked out by hand."""
 import pytest
 
-from zpp.zero.prefetch_depth import HEADROOM, Measured, choose_window, simulate
+from zpp.zero.prefetch_depth import HEADROOM, Measured, ahead, choose_window, simulate
 
 N = 1000
 
@@ -15,8 +15,8 @@ def test_a_link_slower_than_compute_needs_one_gather_ahead():
     steps = _pass((2, 1), (2, 1), (2, 1), (2, 1))
     assert simulate(steps, 0) == 12  # every gather in line: 4 x (2 + 1)
     # the link never idles once gather 1 is queued behind gather 0: 4 x 2 + the last compute
-    assert simulate(steps, N) == simulate(steps, 4 * N) == 9
-    assert choose_window(steps) == (1 + HEADROOM) * N
+    assert simulate(steps, ahead(1, N)) == simulate(steps, 4 * N) == 9
+    assert choose_window(steps) == ahead(1 + HEADROOM, N)
 
 
 def test_a_long_compute_then_large_gathers_needs_a_deeper_window():
@@ -24,10 +24,19 @@ def test_a_long_compute_then_large_gathers_needs_a_deeper_window():
     # unbounded: the link runs 1, 2, 3 back to back from t=1 (ends 2, 5, 8); the last compute ends 8.1
     assert simulate(steps, 4 * N) == pytest.approx(8.1)
     # one ahead: gather 2 starts only when entry 1 is served (t=4), gather 3 at 7.1
-    assert simulate(steps, N) == pytest.approx(10.1)
-    assert simulate(steps, 2 * N) == pytest.approx(8.1)
-    assert choose_window(steps) == (2 + HEADROOM) * N
+    assert simulate(steps, ahead(1, N)) == simulate(steps, N) == pytest.approx(10.1)
+    assert simulate(steps, ahead(2, N)) == pytest.approx(8.1)
+    assert choose_window(steps) == ahead(2 + HEADROOM, N)
     assert choose_window(steps, limit=2 * N) == 2 * N  # stage3_max_live_parameters caps it
+
+
+def test_the_window_counts_before_each_start():
+    # DeepSpeed's rule: a window of one element still starts one gather; N + 1 starts two
+    assert (ahead(0, N), ahead(1, N), ahead(2, N)) == (0, 1, N + 1)
+    steps = _pass((1, 0), (1, 0), (1, 0))
+    assert simulate(steps, 0) == 3
+    # a window below one gather lets one run ahead, as does a window of exactly one gather
+    assert simulate(_pass((1, 2), (1, 2), (1, 2)), 1) == simulate(_pass((1, 2), (1, 2), (1, 2)), N) == 7
 
 
 def test_a_unit_is_not_started_while_it_is_running():

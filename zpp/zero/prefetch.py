@@ -12,13 +12,17 @@ gathered already) is one entry ``(unit index, phase)`` of the pass's sequence.
 * In a later pass, entry ``i`` asked for is compared with the trace's entry ``i``. While
   they agree, after serving entry ``i`` the engine starts the gathers of trace entries
   ``i + 1, i + 2, ...`` (:meth:`Unit.start_gather <zpp.zero.unit.Unit.start_gather>`, on
-  the transport's asynchronous all-gather) as long as the started-but-not-yet-used units
-  hold at most the *window* (``stage3_prefetch_bucket_size`` elements, or with "auto", zpp's
+  the transport's asynchronous all-gather) while the started-but-not-yet-used units hold
+  fewer elements than the *window* (``stage3_prefetch_bucket_size``, or with "auto", zpp's
   default, the window chosen from the first pass: [Note: the prefetch window from the
-  measured link] in :mod:`zpp.zero.prefetch_depth`), and the units gathered plus those
-  started hold at most ``stage3_max_live_parameters`` elements, stopping at the first entry
-  whose unit is still gathered or in flight (it is started at a later entry). The hook
-  asking for a started unit waits for it instead of gathering.
+  measured link] in :mod:`zpp.zero.prefetch_depth`) and the units gathered plus the one
+  to start would hold at most ``stage3_max_live_parameters`` elements, stopping at the first
+  entry whose unit is still gathered or in flight (it is started at a later entry). The
+  hook asking for a started unit waits for it instead of gathering. The window is
+  DeepSpeed's rule: the count is checked before a gather starts, so the last one may go
+  past it and a window smaller than one unit still starts one unit ahead (DeepSpeed
+  prefetches whole parameters the same way; the Hugging Face Trainer fills "auto" with
+  0.9 x hidden^2, less than one transformer block, which would otherwise turn prefetch off).
 * At the first entry that differs, the pass stops prefetching (counted in
   ``PrefetchStats.mismatches``); gathers already started are used if asked for with the
   same phase, else waited for and dropped (``dropped``). At the end of that pass its
@@ -34,7 +38,7 @@ one rank against another. A prefetched gather moves exactly the bytes the gather
 point of use would move; only dropped gathers add bytes.
 
 Memory: a started gather allocates its full buffer at once, so up to the window's elements
-of full buffers are held beyond what the module running needs; ``ZeroEngine.model_state_bytes`` counts them as parameters while they exist
+(plus one unit) of full buffers are held beyond what the module running needs; ``ZeroEngine.model_state_bytes`` counts them as parameters while they exist
 and ``PrefetchStats.peak_inflight_numel`` records the most held at once.
 """
 from __future__ import annotations
@@ -177,7 +181,7 @@ class Prefetcher:
             index, phase = trace[i]
             u = self.units[index]
             n = u.layout.padded_numel
-            if u.flat.state is not ShardState.SHARDED or self._started_numel + n > self.bucket_numel:
+            if u.flat.state is not ShardState.SHARDED or self._started_numel >= self.bucket_numel:
                 break
             if live is not None and live + n > self.max_live_numel:
                 break

@@ -13,14 +13,14 @@ a prefetched pass:
 * the transport runs started gathers one after another (one queue);
 * a gather that was not started ahead starts when it is asked for, behind the queue;
 * the prefetcher's rule (zpp.zero.prefetch): after serving entry ``i`` it starts entries
-  ``i + 1, ...`` while the elements started but not yet used stay within the window,
+  ``i + 1, ...`` while the elements started but not yet used are fewer than the window,
   stopping at a unit already started.
 
 :func:`simulate` plays a pass through that model; :func:`choose_window` takes the smallest
-window of ``k`` times the largest gather whose predicted pass is within
-``TOLERANCE`` of an unbounded window's, then one largest gather more (``HEADROOM``: the
-measured times jitter from pass to pass, and one more gather in the queue keeps the link
-busy when a gather runs late). A link slower than the compute gains nothing from a deep
+window that lets ``k`` gathers of any size start ahead (``(k - 1)`` largest gathers and one
+element) whose predicted pass is within ``TOLERANCE`` of an unbounded window's, then lets
+one gather more start (``HEADROOM``: the measured times jitter from pass to pass, and one
+more gather in the queue keeps the link busy when a gather runs late). A link slower than the compute gains nothing from a deep
 window (the link is the bottleneck once one gather is queued behind the running one);
 uneven units (an embedding's gather behind a run of small blocks, a backward's intra-node
 gathers after the forward's inter-node ones) need a deeper one, and the model finds how
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["HEADROOM", "TOLERANCE", "Measured", "choose_window", "simulate"]
+__all__ = ["HEADROOM", "TOLERANCE", "Measured", "ahead", "choose_window", "simulate"]
 
 TOLERANCE = 0.02
 """A window is deep enough when its predicted pass is within this fraction of an unbounded
@@ -82,7 +82,7 @@ def simulate(steps: Sequence[Measured], window: int) -> float:
         j = max(i + 1, nxt)
         while j < len(steps):
             t = steps[j]
-            if t.unit == s.unit or t.unit in started_units or started_numel + t.numel > window:
+            if t.unit == s.unit or t.unit in started_units or started_numel >= window:
                 break
             link_free = max(now, link_free) + t.gather_s
             ready[j] = link_free
@@ -94,11 +94,16 @@ def simulate(steps: Sequence[Measured], window: int) -> float:
     return now
 
 
+def ahead(k: int, biggest: int) -> int:
+    """The smallest window that lets ``k`` gathers of up to ``biggest`` elements each start
+    ahead under the prefetcher's rule (counted before each start)."""
+    return (k - 1) * biggest + 1 if k > 0 else 0
+
+
 def choose_window(steps: Sequence[Measured], limit: int | None = None) -> int:
-    """The prefetch window (elements) for passes like ``steps``: the smallest ``k`` times
-    the largest gather within :data:`TOLERANCE` of an unbounded window's predicted pass,
-    plus :data:`HEADROOM` largest gathers, and at most ``limit``. 0 when nothing is
-    gathered."""
+    """The prefetch window (elements) for passes like ``steps``: the smallest
+    :func:`ahead` ``(k)`` within :data:`TOLERANCE` of an unbounded window's predicted pass,
+    then :data:`HEADROOM` gathers more, and at most ``limit``. 0 when nothing is gathered."""
     if limit is not None and limit < 0:
         raise ValueError(f"choose_window: limit={limit} must be >= 0")
     if not steps:
@@ -106,7 +111,7 @@ def choose_window(steps: Sequence[Measured], limit: int | None = None) -> int:
     biggest = max(s.numel for s in steps)
     best = simulate(steps, sum(s.numel for s in steps))
     k = 1
-    while k < len(steps) and simulate(steps, k * biggest) > best * (1 + TOLERANCE):
+    while k < len(steps) and simulate(steps, ahead(k, biggest)) > best * (1 + TOLERANCE):
         k += 1
-    window = (k + HEADROOM) * biggest
+    window = ahead(k + HEADROOM, biggest)
     return window if limit is None else min(window, limit)
