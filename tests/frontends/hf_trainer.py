@@ -40,6 +40,8 @@ if args.engine == "deepspeed":
     ds_config = common.ds_config(args.stage, micro=args.micro, gas=args.gas, zeropp=args.zeropp)
     ds_config.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
                      gradient_clipping="auto", train_batch_size="auto")
+    if args.stage == 3:  # as the Trainer's documented ZeRO-3 config: it fills 0.9 x hidden^2
+        ds_config["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
     if args.ds_optim:
         ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                               "weight_decay": "auto", "torch_adam": True}}
@@ -60,7 +62,12 @@ trainer.train(resume_from_checkpoint=args.resume)
 logs = [h for h in trainer.state.log_history if "loss" in h]
 metrics = trainer.evaluate()
 trainer.save_model(f"{args.dir}/final")
+stats = getattr(trainer.model_wrapped, "prefetch_stats", None)  # zpp's engine (stage 3 gathers ahead)
+prefetch = None
+if stats is not None:
+    prefetch = {"prefetched": stats.prefetched, "hits": stats.hits, "window": stats.window_numel}
 common.write_result(args.out, {
+    "prefetch": prefetch,
     "losses": [h["loss"] for h in logs], "lrs": [h["learning_rate"] for h in logs],
     "grad_norms": [h.get("grad_norm") for h in logs], "steps": [h["step"] for h in logs],
     "eval": metrics["eval_loss"], "final": f"{args.dir}/final",
