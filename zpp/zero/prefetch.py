@@ -51,8 +51,9 @@ from collections.abc import Sequence
 import torch
 
 from zpp.comm.transport import Transport
+from zpp.log import logger as log
 from zpp.zero.comm_api import Phase
-from zpp.zero.prefetch_depth import Measured, choose_window
+from zpp.zero.prefetch_depth import Measured, choose_window, simulate
 from zpp.zero.unit import Unit
 from zpp.zero.shard import ShardState
 
@@ -236,6 +237,12 @@ class Prefetcher:
         self.bucket_numel = int(agreed.item())
         self.stats.window_numel = self.bucket_numel
         self.stats.measured = steps
+        if self.world.rank == 0 and steps:
+            log.info("zpp: stage 3 prefetch window %d elements (largest unit %d), chosen from the first pass "
+                     "(%d gathers %.3f s in line, compute %.3f s; predicted pass %.3f s, unbounded %.3f s)",
+                     self.bucket_numel, max(m.numel for m in steps), len(steps), sum(m.gather_s for m in steps),
+                     sum(m.compute_s for m in steps), simulate(steps, self.bucket_numel),
+                     simulate(steps, sum(m.numel for m in steps)))
 
     def trace(self, grad: bool = True) -> list[Entry] | None:
         """The recorded trace of passes with (or without) grad, or None."""
