@@ -200,8 +200,8 @@ def main(argv=None) -> int:
                         "too (infinity)")
     p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-memory-bench"))
     p.add_argument("--buffer-count", type=int, default=4)
-    p.add_argument("--prefetch-bucket-size", type=int, default=None,
-                   help="stage3_prefetch_bucket_size (Default: zpp's; 0 gathers no unit ahead)")
+    p.add_argument("--prefetch-bucket-size", type=lambda v: v if v == "auto" else int(v), default=None,
+                   help="stage3_prefetch_bucket_size, or auto (Default: zpp's, auto; 0 gathers no unit ahead)")
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="after training, save and load a checkpoint under DIR (shared by the ranks) and report "
                         "each one's peak and rise of anonymous memory")

@@ -45,6 +45,14 @@ def test_a_unit_is_not_started_while_it_is_running():
     assert simulate(steps, 10 * N) == 4
 
 
+def test_a_unit_still_gathered_is_not_started():
+    # unit 2 is still gathered after entry 0 (an enclosing unit, released later and gathered
+    # again at entry 1): the prefetcher cannot start it, and neither does the model
+    free = [Measured(1, N, 1, 1, frozenset({1})), Measured(2, N, 1, 1, frozenset({2}))]
+    held = [Measured(1, N, 1, 1, frozenset({1, 2})), Measured(2, N, 1, 1, frozenset({2}))]
+    assert simulate(free, 10 * N) == 3 and simulate(held, 10 * N) == 4
+
+
 def test_bad_values():
     assert choose_window([]) == 0
     with pytest.raises(ValueError, match="window=-1"):

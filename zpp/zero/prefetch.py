@@ -14,7 +14,7 @@ gathered already) is one entry ``(unit index, phase)`` of the pass's sequence.
   ``i + 1, i + 2, ...`` (:meth:`Unit.start_gather <zpp.zero.unit.Unit.start_gather>`, on
   the transport's asynchronous all-gather) while the started-but-not-yet-used units hold
   fewer elements than the *window* (``stage3_prefetch_bucket_size``, or with "auto", zpp's
-  default, the window chosen from the first pass: [Note: the prefetch window from the
+  default, the window chosen from a timed pass: [Note: the prefetch window from the
   measured link] in :mod:`zpp.zero.prefetch_depth`) and the units gathered plus the one
   to start would hold at most ``stage3_max_live_parameters`` elements, stopping at the first
   entry whose unit is still gathered or in flight (it is started at a later entry). The
@@ -58,6 +58,16 @@ from zpp.zero.unit import Unit
 from zpp.zero.shard import ShardState
 
 Entry = tuple[int, Phase]  # (unit index, phase)
+WINDOW_OP = "prefetch_window"
+"""The name the window's agreement (one int64 all-reduce, once per engine) is counted under."""
+
+
+def _now(unit: Unit) -> float:
+    """The host clock once the unit's device has done its queued work (a GPU's gathers and
+    kernels return before they run; a timed pass waits for them)."""
+    if unit.flat.device.type == "cuda":
+        torch.cuda.synchronize(unit.flat.device)
+    return time.perf_counter()
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,9 +94,9 @@ class PrefetchStats:
     """Most elements of full buffers started but not yet used, at any time."""
     window_numel: int | None = None
     """Elements of gathers allowed ahead of use: ``stage3_prefetch_bucket_size``, or with
-    "auto" the window chosen at the end of the first pass (None until then)."""
+    "auto" the window chosen at the end of the second pass with grad (None until then)."""
     measured: tuple[Measured, ...] = ()
-    """With "auto": this rank's timed gathers of the first pass, which chose the window."""
+    """With "auto": this rank's timed gathers of the pass that chose the window."""
 
 
 class Prefetcher:
@@ -97,7 +107,7 @@ class Prefetcher:
         units: the engine's units (indexed by ``Unit.index``).
         bucket_numel: ``stage3_prefetch_bucket_size``: elements of started-but-unused full
             buffers allowed at once; 0 turns prefetching off; "auto": chosen from the
-            first pass's measured gathers and compute (see [Note: the prefetch window from
+            second pass's measured gathers and compute (see [Note: the prefetch window from
             the measured link]).
         max_live_numel: ``stage3_max_live_parameters``: no gather is started ahead while
             the units gathered and started would hold more elements than this.
@@ -111,11 +121,14 @@ class Prefetcher:
         self.units = list(units)
         self.auto = bucket_numel == "auto"
         self.bucket_numel = None if self.auto else bucket_numel
-        self.max_live_numel = max_live_numel
+        # the bound can only bite below every unit gathered at once; above it, no count per entry
+        total = sum(u.layout.padded_numel for u in self.units)
+        self.max_live_numel = max_live_numel if max_live_numel is not None and max_live_numel < total else None
         self.enabled = enabled and (self.auto or bucket_numel > 0)
         self.world = world
         self.stats = PrefetchStats(window_numel=self.bucket_numel)
-        self._timed: list[tuple[int, int, float, float]] | None = None  # (unit, numel, asked, served)
+        # the timed pass: (unit, numel, asked, served, units gathered after it was served)
+        self._timed: list[tuple[int, int, float, float, frozenset[int]]] | None = None
         self._traces: dict[bool, list[Entry]] = {}
         self._kind: bool | None = None  # the open pass's kind (grad enabled), None: no pass
         self._seq: list[Entry] = []
@@ -139,8 +152,9 @@ class Prefetcher:
         self._seq = []
         self._matching = self.enabled and grad in self._traces
         self._next = 0
-        # the first pass (gathers in line) times its gathers when the window is "auto"
-        self._timed = [] if self.auto and self.bucket_numel is None else None
+        # "auto": the second pass with grad (the first that has a trace; still in line) is timed
+        timing = self.auto and self.bucket_numel is None and grad and grad in self._traces
+        self._timed = [] if timing else None
 
     def gather(self, unit: Unit, phase: Phase) -> None:
         """A hook needs ``unit`` gathered for ``phase``."""
@@ -164,14 +178,20 @@ class Prefetcher:
                 self.stats.hits += 1
             else:
                 self.stats.dropped += 1  # Unit.gather drops it and gathers again
-        asked = time.perf_counter()
-        unit.gather(phase)
-        if self._timed is not None:
-            self._timed.append((unit.index, unit.layout.padded_numel, asked, time.perf_counter()))
+        if self._timed is None:
+            unit.gather(phase)
+        else:
+            asked = _now(unit)
+            unit.gather(phase)
+            served = _now(unit)
+            held = frozenset(u.index for u in self.units if u.flat.state is not ShardState.SHARDED)
+            self._timed.append((unit.index, unit.layout.padded_numel, asked, served, held))
         if self._matching:
             self._start_ahead(pos + 1)
 
     def _start_ahead(self, first: int) -> None:
+        if self.bucket_numel is None:  # "auto" before the window is chosen: in line
+            return
         trace = self._traces[self._kind]
         i = max(first, self._next)
         live = None
@@ -206,7 +226,7 @@ class Prefetcher:
         kind, seq = self._kind, self._seq
         self._kind = None
         if self._timed is not None:
-            self._choose_window(self._timed, time.perf_counter())
+            self._choose_window(self._timed)
             self._timed = None
         for index in sorted(self._started):  # the same order on every rank
             self.units[index].drop_started()
@@ -224,21 +244,25 @@ class Prefetcher:
             self.world.check_agree("zpp stage 3 prefetch trace (every rank must run the same graph)",
                                    (len(seq), code), ("gathers", "crc32"))
 
-    def _choose_window(self, timed: list[tuple[int, int, float, float]], end: float) -> None:
+    def _choose_window(self, timed: list[tuple[int, int, float, float, frozenset[int]]]) -> None:
         """The window from this pass's timed gathers, the largest over ranks (collective:
-        every rank closes its first pass at the same point)."""
-        ends = [asked for _, _, asked, _ in timed[1:]] + [end]
-        steps = tuple(Measured(unit, numel, served - asked, max(0.0, nxt - served))
-                      for (unit, numel, asked, served), nxt in zip(timed, ends))
+        every rank closes its timed pass at the same point). The pass's tail after its last
+        gather (the wait for the reductions, whatever the job does before its next forward)
+        is left out: no gather can be hidden behind it, and it would loosen the tolerance."""
+        nexts = [asked for _, _, asked, _, _ in timed[1:]]
+        steps = tuple(Measured(unit, numel, served - asked, max(0.0, nxt - served) if nxt is not None else 0.0, held)
+                      for (unit, numel, asked, served, held), nxt in zip(timed, [*nexts, None]))
         mine = choose_window(steps, self.max_live_numel)
-        device = next((u.flat.device for u in self.units), torch.device("cpu"))
-        agreed = torch.tensor([mine], dtype=torch.int64, device=device)
-        self.world.all_reduce(agreed, "max")
-        self.bucket_numel = int(agreed.item())
+        if self.world.world_size > 1 and self.units:  # every rank has the same units (the same graph)
+            agreed = torch.tensor([mine], dtype=torch.int64, device=self.units[0].flat.device)
+            with self.world.counters.collective(WINDOW_OP, agreed.element_size()):
+                self.world.all_reduce(agreed, "max")
+            mine = int(agreed.item())
+        self.bucket_numel = mine
         self.stats.window_numel = self.bucket_numel
         self.stats.measured = steps
         if self.world.rank == 0 and steps:
-            log.info("zpp: stage 3 prefetch window %d elements (largest unit %d), chosen from the first pass "
+            log.info("zpp: stage 3 prefetch window %d elements (largest unit %d), chosen from a timed pass "
                      "(%d gathers %.3f s in line, compute %.3f s; predicted pass %.3f s, unbounded %.3f s)",
                      self.bucket_numel, max(m.numel for m in steps), len(steps), sum(m.gather_s for m in steps),
                      sum(m.compute_s for m in steps), simulate(steps, self.bucket_numel),

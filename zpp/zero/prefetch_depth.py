@@ -4,17 +4,23 @@
     seconds = simulate(steps, window)                          # the pass it predicts
 
 [Note: the prefetch window from the measured link]
-With ``stage3_prefetch_bucket_size: "auto"`` (zpp's default) the first pass of an engine
-gathers every unit at its point of use, in line, and times each gather (``gather_s``: the
-link and the transport for that unit, nothing else overlapping it on this thread) and the
-compute that follows it up to the next gather (``compute_s``). Those times give a model of
-a prefetched pass:
+With ``stage3_prefetch_bucket_size: "auto"`` (zpp's default, used when the key is absent)
+an engine's first two passes with grad gather every unit at its point of use, in line: the
+first records the order (as every first pass does), the second, past the first pass's
+warm-up (allocations, communicators made on first use), is timed: each gather
+(``gather_s``: the link and the transport for that unit, nothing else overlapping it on
+this thread), the compute that follows it up to the next gather (``compute_s``; after the
+last gather nothing is counted: no gather can hide behind the pass's tail, and the
+reductions' wait is in it), and which units are still gathered once it is served (``held``;
+the prefetcher does not start those). On a GPU the timed pass waits for the device around
+each gather, so the times are the device's, not the launches'. Passes without grad before
+the window is chosen run in line. Those times give a model of a prefetched pass:
 
 * the transport runs started gathers one after another (one queue);
 * a gather that was not started ahead starts when it is asked for, behind the queue;
 * the prefetcher's rule (zpp.zero.prefetch): after serving entry ``i`` it starts entries
   ``i + 1, ...`` while the elements started but not yet used are fewer than the window,
-  stopping at a unit already started.
+  stopping at a unit already started or still gathered (``held`` after entry ``i``).
 
 :func:`simulate` plays a pass through that model; :func:`choose_window` takes the smallest
 window that lets ``k`` gathers of any size start ahead (``(k - 1)`` largest gathers and one
@@ -28,9 +34,11 @@ deep. What the window saves is memory: the elements gathered ahead are full buff
 beside the running unit (``PrefetchStats.peak_inflight_numel``).
 
 Every rank measures its own pass; the engine takes the largest window over ranks (one
-all-reduce of one integer at the end of the first pass), because the window decides when
-gathers are issued relative to the other collectives of a pass, which must be the same on
-every rank.
+all-reduce of one integer at the end of the timed pass, counted as ``"prefetch_window"``),
+because the window decides when gathers are issued relative to the other collectives of a
+pass, which must be the same on every rank. What the model leaves out: work the gather
+does on this thread besides the link (dequantizing qwZ's codes, reading a shard from NVMe)
+counts as link time; reductions running in line count as compute.
 """
 from __future__ import annotations
 
@@ -57,7 +65,10 @@ class Measured:
     gather_s: float
     """Seconds the gather took at its point of use."""
     compute_s: float
-    """Seconds from the gather's end to the next gather asked for (or the pass's end)."""
+    """Seconds from the gather's end to the next gather asked for (0 after the last)."""
+    held: frozenset[int] = frozenset()
+    """Units gathered (or being gathered) once this one was served: none of them is started
+    ahead from here."""
 
 
 def simulate(steps: Sequence[Measured], window: int) -> float:
@@ -82,7 +93,7 @@ def simulate(steps: Sequence[Measured], window: int) -> float:
         j = max(i + 1, nxt)
         while j < len(steps):
             t = steps[j]
-            if t.unit == s.unit or t.unit in started_units or started_numel >= window:
+            if t.unit == s.unit or t.unit in s.held or t.unit in started_units or started_numel >= window:
                 break
             link_free = max(now, link_free) + t.gather_s
             ready[j] = link_free
