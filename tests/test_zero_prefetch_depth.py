@@ -16,7 +16,7 @@ def test_a_link_slower_than_compute_needs_one_gather_ahead():
     assert simulate(steps, 0) == 12  # every gather in line: 4 x (2 + 1)
     # the link never idles once gather 1 is queued behind gather 0: 4 x 2 + the last compute
     assert simulate(steps, ahead(1, N)) == simulate(steps, 4 * N) == 9
-    assert choose_window(steps) == ahead(1 + HEADROOM, N)
+    assert choose_window(steps) == ahead(1 * HEADROOM, N)
 
 
 def test_a_long_compute_then_large_gathers_needs_a_deeper_window():
@@ -26,7 +26,7 @@ def test_a_long_compute_then_large_gathers_needs_a_deeper_window():
     # one ahead: gather 2 starts only when entry 1 is served (t=4), gather 3 at 7.1
     assert simulate(steps, ahead(1, N)) == simulate(steps, N) == pytest.approx(10.1)
     assert simulate(steps, ahead(2, N)) == pytest.approx(8.1)
-    assert choose_window(steps) == ahead(2 + HEADROOM, N)
+    assert choose_window(steps) == ahead(2 * HEADROOM, N)
     assert choose_window(steps, limit=2 * N) == 2 * N  # stage3_max_live_parameters caps it
 
 

@@ -114,8 +114,8 @@ class ZeroConfig:
     """Stage 3: elements of parameter gathers started ahead of use (in the order recorded
     on the first pass) that may be in flight or waiting at once; 0 turns prefetch off;
     "auto" chooses it at the end of the second pass with grad (run in line and timed) from
-    that pass's measured gathers and compute (the smallest window that hides as much of the link as an unbounded one, plus one
-    gather). See [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` and [Note: the prefetch
+    that pass's measured gathers and compute (twice the smallest window that hides as much
+    of the link as an unbounded one). See [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` and [Note: the prefetch
     window from the measured link] in :mod:`zpp.zero.prefetch_depth` (Default: "auto";
     DeepSpeed's default is 5e7)."""
     max_live_parameters: int = 1_000_000_000

@@ -25,8 +25,10 @@ the window is chosen run in line. Those times give a model of a prefetched pass:
 :func:`simulate` plays a pass through that model; :func:`choose_window` takes the smallest
 window that lets ``k`` gathers of any size start ahead (``(k - 1)`` largest gathers and one
 element) whose predicted pass is within ``TOLERANCE`` of an unbounded window's, then lets
-one gather more start (``HEADROOM``: the measured times jitter from pass to pass, and one
-more gather in the queue keeps the link busy when a gather runs late). A link slower than the compute gains nothing from a deep
+twice as many start (``HEADROOM``): the timed gathers ran in line, with the cores free;
+prefetched, they share the cores with the compute and run longer than timed (the first
+version, one gather more than the model's k, was measured 1.04-1.16x slower than gathering
+everything ahead on 4 ranks over 2 cores; perf/BENCHMARKS.md). A link slower than the compute gains nothing from a deep
 window (the link is the bottleneck once one gather is queued behind the running one);
 uneven units (an embedding's gather behind a run of small blocks, a backward's intra-node
 gathers after the forward's inter-node ones) need a deeper one, and the model finds how
@@ -50,8 +52,10 @@ __all__ = ["HEADROOM", "TOLERANCE", "Measured", "ahead", "choose_window", "simul
 TOLERANCE = 0.02
 """A window is deep enough when its predicted pass is within this fraction of an unbounded
 window's."""
-HEADROOM = 1
-"""Largest gathers added to the smallest window the model accepts."""
+HEADROOM = 2
+"""The window lets this many times the gathers start ahead that the model needs: the timed
+pass's gathers ran while the cores had nothing else to do; prefetched, they share the cores
+with the compute (4 ranks on 2 cores here: up to twice as long), which the model cannot see."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,7 +118,8 @@ def ahead(k: int, biggest: int) -> int:
 def choose_window(steps: Sequence[Measured], limit: int | None = None) -> int:
     """The prefetch window (elements) for passes like ``steps``: the smallest
     :func:`ahead` ``(k)`` within :data:`TOLERANCE` of an unbounded window's predicted pass,
-    then :data:`HEADROOM` gathers more, and at most ``limit``. 0 when nothing is gathered."""
+    then :data:`HEADROOM` times as many gathers, and at most ``limit``. 0 when nothing is
+    gathered."""
     if limit is not None and limit < 0:
         raise ValueError(f"choose_window: limit={limit} must be >= 0")
     if not steps:
@@ -124,5 +129,5 @@ def choose_window(steps: Sequence[Measured], limit: int | None = None) -> int:
     k = 1
     while k < len(steps) and simulate(steps, ahead(k, biggest)) > best * (1 + TOLERANCE):
         k += 1
-    window = ahead(k + HEADROOM, biggest)
+    window = ahead(k * HEADROOM, biggest)
     return window if limit is None else min(window, limit)
