@@ -65,8 +65,11 @@ VARIANTS = {
     "zero3-zeropp-gg2048": {"stage": 3, **_ZEROPP, "zpp": {"gradient_group_size": 2048}},
     # hpZ's node copy kept across steps and refreshed by int4 weight deltas (zpp.weight_delta_bits)
     "zero3-zeropp-delta4": {"stage": 3, **_ZEROPP, "zpp": {"weight_delta_bits": 4}},
-    # the prefetch window fixed at DeepSpeed's default (5e7 elements; zpp's default before 2026-12-07)
-    # instead of measured on the first pass ("auto")
+    # the prefetch window measured on a timed pass ("auto") or fixed at DeepSpeed's 5e7 elements,
+    # zpp's default (the measured window was the default for a few hours of 2026-12-07: the plain
+    # zero3 / zero3-zeropp rows of perf/results/prefetch_window-*.json)
+    "zero3-auto": {"stage": 3, "stage3_prefetch_bucket_size": "auto"},
+    "zero3-zeropp-auto": {"stage": 3, **_ZEROPP, "stage3_prefetch_bucket_size": "auto"},
     "zero3-b5e7": {"stage": 3, "stage3_prefetch_bucket_size": 50_000_000},
     "zero3-zeropp-b5e7": {"stage": 3, **_ZEROPP, "stage3_prefetch_bucket_size": 50_000_000},
     # qgZ's two hops on one reduction thread instead of pipelined over two

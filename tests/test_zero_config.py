@@ -205,9 +205,9 @@ def test_prefetch_switch():
 
 
 def test_prefetch_window_keys():
-    """The window is measured unless the user sets it; max_live_parameters bounds it."""
+    """DeepSpeed's 5e7 unless set; "auto" measures it; max_live_parameters bounds it."""
     z = from_deepspeed({"zero_optimization": {"stage": 3}}).zero
-    assert (z.prefetch_bucket_size, z.max_live_parameters) == ("auto", 1_000_000_000)
+    assert (z.prefetch_bucket_size, z.max_live_parameters) == (50_000_000, 1_000_000_000)
     z = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
                                               "stage3_max_live_parameters": 3e7}}).zero
     assert (z.prefetch_bucket_size, z.max_live_parameters) == ("auto", 30_000_000)

@@ -110,14 +110,16 @@ class ZeroConfig:
     """With the optimizer state on NVMe: the most elements of one unit at stages 0-2 (and of
     stage 3's buckets of small parameters), so the state streams in pieces of this size
     (DeepSpeed's tile of the offloaded optimizer step) (Default: 1e9)."""
-    prefetch_bucket_size: int | Literal["auto"] = "auto"
+    prefetch_bucket_size: int | Literal["auto"] = 50_000_000
     """Stage 3: elements of parameter gathers started ahead of use (in the order recorded
-    on the first pass) that may be in flight or waiting at once; 0 turns prefetch off;
-    "auto" chooses it at the end of the second pass with grad (run in line and timed) from
-    that pass's measured gathers and compute (twice the smallest window that hides as much
-    of the link as an unbounded one). See [Note: stage 3 prefetch] in :mod:`zpp.zero.prefetch` and [Note: the prefetch
-    window from the measured link] in :mod:`zpp.zero.prefetch_depth` (Default: "auto";
-    DeepSpeed's default is 5e7)."""
+    on the first pass) that may be in flight or waiting at once, counted before each start
+    (DeepSpeed's rule); 0 turns prefetch off; "auto" chooses it at the end of the second pass
+    with grad (run in line and timed) from that pass's measured gathers and compute (twice
+    the smallest window that hides as much of the link as an unbounded one): a third to a
+    sixth of the memory held ahead, the step the same within the noise on one model and
+    1.06x on another (perf/BENCHMARKS.md), hence not the default. See [Note: stage 3
+    prefetch] in :mod:`zpp.zero.prefetch` and [Note: the prefetch window from the measured
+    link] in :mod:`zpp.zero.prefetch_depth` (Default: 5e7, DeepSpeed's)."""
     max_live_parameters: int = 1_000_000_000
     """Stage 3: no gather is started ahead while the units gathered and those started would
     hold more elements than this (DeepSpeed's ``stage3_max_live_parameters``; a gather at its

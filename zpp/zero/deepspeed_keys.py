@@ -245,8 +245,8 @@ _KEY_LIST: list[DsKey] = [
     _impl(f"{_ZERO}.zero_quantized_gradients", "ZeroConfig.quantized_gradients (qgZ)", _bool),
     _impl(f"{_ZERO}.reduce_bucket_size", "ZeroConfig.reduce_bucket_size", _int(lo=1)),
     _impl(f"{_ZERO}.allgather_bucket_size", "ZeroConfig.allgather_bucket_size", _int(lo=1)),
-    _impl(f"{_ZERO}.stage3_prefetch_bucket_size", 'ZeroConfig.prefetch_bucket_size (0: no prefetch; "auto", the '
-          "default when the key is absent: chosen from a timed pass's gathers and compute)", _int_or_auto),
+    _impl(f"{_ZERO}.stage3_prefetch_bucket_size", 'ZeroConfig.prefetch_bucket_size (0: no prefetch; "auto": '
+          "chosen from a timed pass's gathers and compute)", _int_or_auto),
     _impl(f"{_ZERO}.stage3_max_live_parameters", "ZeroConfig.max_live_parameters: no gather starts ahead past it",
           _int(lo=0)),
     _impl(f"{_ZERO}.stage3_param_persistence_threshold", "ZeroConfig.param_persistence_threshold", _int(lo=0)),

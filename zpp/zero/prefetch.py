@@ -13,8 +13,8 @@ gathered already) is one entry ``(unit index, phase)`` of the pass's sequence.
   they agree, after serving entry ``i`` the engine starts the gathers of trace entries
   ``i + 1, i + 2, ...`` (:meth:`Unit.start_gather <zpp.zero.unit.Unit.start_gather>`, on
   the transport's asynchronous all-gather) while the started-but-not-yet-used units hold
-  fewer elements than the *window* (``stage3_prefetch_bucket_size``, or with "auto", zpp's
-  default, the window chosen from a timed pass: [Note: the prefetch window from the
+  fewer elements than the *window* (``stage3_prefetch_bucket_size``, or with "auto" the
+  window chosen from a timed pass: [Note: the prefetch window from the
   measured link] in :mod:`zpp.zero.prefetch_depth`) and the units gathered plus the one
   to start would hold at most ``stage3_max_live_parameters`` elements, stopping at the first
   entry whose unit is still gathered or in flight (it is started at a later entry). The

@@ -4,7 +4,8 @@
     seconds = simulate(steps, window)                          # the pass it predicts
 
 [Note: the prefetch window from the measured link]
-With ``stage3_prefetch_bucket_size: "auto"`` (zpp's default, used when the key is absent)
+With ``stage3_prefetch_bucket_size: "auto"`` (given to zpp directly: the Hugging Face Trainer
+replaces "auto" by 0.9 x hidden^2 before zpp sees it)
 an engine's first two passes with grad gather every unit at its point of use, in line: the
 first records the order (as every first pass does), the second, past the first pass's
 warm-up (allocations, communicators made on first use), is timed: each gather
