@@ -38,8 +38,9 @@ one rank against another. A prefetched gather moves exactly the bytes the gather
 point of use would move; only dropped gathers add bytes.
 
 Memory: a started gather allocates its full buffer at once, so up to the window's elements
-(plus one unit) of full buffers are held beyond what the module running needs; ``ZeroEngine.model_state_bytes`` counts them as parameters while they exist
-and ``PrefetchStats.peak_inflight_numel`` records the most held at once.
+(plus one unit) of full buffers are held beyond what the module running needs;
+``ZeroEngine.model_state_bytes`` counts them as parameters while they exist and
+``PrefetchStats.peak_inflight_numel`` records the most held at once.
 """
 from __future__ import annotations
 
