@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--nvme-path", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zpp-memory-bench"))
     p.add_argument("--buffer-count", type=int, default=4)
     p.add_argument("--prefetch-bucket-size", type=lambda v: v if v == "auto" else int(v), default=None,
-                   help="stage3_prefetch_bucket_size, or auto (Default: zpp's, auto; 0 gathers no unit ahead)")
+                   help="stage3_prefetch_bucket_size, or auto (Default: zpp's, 5e7; 0 gathers no unit ahead)")
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="after training, save and load a checkpoint under DIR (shared by the ranks) and report "
                         "each one's peak and rise of anonymous memory")

@@ -64,6 +64,16 @@ def check_int(where: str, name: str, value: Any, *, lo: int | None = None, hi: i
     return value
 
 
+def check_int_or_auto(where: str, name: str, value: Any, *, lenient: bool = False) -> int | str:
+    """An int >= 0 (with ``lenient`` an integral float too), or "auto": zpp chooses."""
+    if value == "auto":
+        return value
+    try:
+        return check_int(where, name, value, lo=0, lenient=lenient)
+    except ValueError:
+        raise fail(where, name, value, 'an integer >= 0 or "auto"') from None
+
+
 def check_number(where: str, name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
                  lo_open: bool = False, hi_open: bool = False) -> float | int:
     """A finite int or float (not a bool) within the bounds (closed unless ``*_open``)."""

@@ -28,6 +28,7 @@ from zpp.zero.checks import (
     check_bool,
     check_choice,
     check_int,
+    check_int_or_auto,
     check_number,
     check_str,
     check_str_tuple,
@@ -115,9 +116,10 @@ class ZeroConfig:
     on the first pass) that may be in flight or waiting at once, counted before each start
     (DeepSpeed's rule); 0 turns prefetch off; "auto" chooses it at the end of the second pass
     with grad (run in line and timed) from that pass's measured gathers and compute (twice
-    the smallest window that hides as much of the link as an unbounded one): a third to a
-    sixth of the memory held ahead, the step the same within the noise on one model and
-    1.06x on another (perf/BENCHMARKS.md), hence not the default. See [Note: stage 3
+    the smallest window that hides as much of the link as an unbounded one): on the 25M
+    benchmark GPT 2-12 units held ahead instead of the whole model at the same step within
+    the noise, on a 29.5M GPT-2 no memory saved and 1.06x the step (perf/BENCHMARKS.md),
+    hence not the default. See [Note: stage 3
     prefetch] in :mod:`zpp.zero.prefetch` and [Note: the prefetch window from the measured
     link] in :mod:`zpp.zero.prefetch_depth` (Default: 5e7, DeepSpeed's)."""
     max_live_parameters: int = 1_000_000_000
@@ -154,11 +156,7 @@ class ZeroConfig:
             check_bool(w, "overlap_comm", self.overlap_comm)
         for name in ("reduce_bucket_size", "allgather_bucket_size", "hpz_partition_size", "sub_group_size"):
             check_int(w, name, getattr(self, name), lo=1)
-        if self.prefetch_bucket_size != "auto":
-            try:
-                check_int(w, "prefetch_bucket_size", self.prefetch_bucket_size, lo=0)
-            except ValueError:
-                raise fail(w, "prefetch_bucket_size", self.prefetch_bucket_size, 'an integer >= 0 or "auto"') from None
+        check_int_or_auto(w, "prefetch_bucket_size", self.prefetch_bucket_size)
         for name in ("param_persistence_threshold", "max_live_parameters"):
             check_int(w, name, getattr(self, name), lo=0)
         for name in ("offload_optimizer", "offload_param"):

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zpp.zero.checks import (
-    check_bool, check_choice, check_int, check_mapping, check_number, check_str, check_str_tuple, fail,
+    check_bool, check_choice, check_int, check_int_or_auto, check_mapping, check_number, check_str, check_str_tuple, fail,
 )
 from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, OuterConfig, ZppConfig
 from zpp.zero.offload_config import AioConfig
@@ -85,13 +85,7 @@ def _int(lo=None):
 
 
 def _int_or_auto(p, v):
-    """An integer >= 0 (an integral float too), or "auto": zpp chooses."""
-    if v == "auto":
-        return v
-    try:
-        return check_int(WHERE, p, v, lo=0, lenient=True)
-    except ValueError:
-        raise fail(WHERE, p, v, 'an integer >= 0 or "auto"') from None
+    return check_int_or_auto(WHERE, p, v, lenient=True)
 
 
 def _num(lo=None, lo_open=False, hi=None):
