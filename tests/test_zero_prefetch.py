@@ -89,6 +89,14 @@ def _gpt():
     return GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
 
 
+def _unit_sizes(t):
+    """The elements of each unit's full buffer in the test GPT, smallest first."""
+    engine, *_ = zz.initialize(model=_gpt(), config=_cfg({}, True), transport=t)
+    sizes = sorted(u.layout.padded_numel for u in engine.units)
+    engine.close()
+    return sizes
+
+
 def _world(t):
     out = {}
     batches = _batches(t.rank, STEPS)
@@ -111,10 +119,7 @@ def _world(t):
     on = _train(t, Swappy(), _cfg({}, True), sb, swap_at=(2,))
     out["swap"] = dict(same_losses=off[0] == on[0], stats=on[2], wire_off=off[1], wire_on=on[1])
     # a bucket of one unit's size: at most that much in flight; 0: no prefetch at all
-    model = _gpt()
-    engine, *_ = zz.initialize(model=model, config=_cfg({}, True), transport=t)
-    biggest = max(u.layout.padded_numel for u in engine.units)
-    engine.close()
+    biggest = _unit_sizes(t)[-1]
     small = _train(t, _gpt(), _cfg({}, True, bucket=biggest), batches)
     zero = _train(t, _gpt(), _cfg({}, True, bucket=0), batches)
     out["small"] = dict(stats=small[2], biggest=biggest, same=small[0] == out["plain"]["losses"])
@@ -202,10 +207,7 @@ def _auto_world(t):
     off = _train(t, _gpt(), _cfg({}, False), batches, evaluate_first=True)
     on = _train(t, _gpt(), _cfg({}, True, bucket="auto"), batches, evaluate_first=True)
     out["eval_first"] = dict(same_losses=off[0] == on[0], stats=on[2])
-    model = _gpt()
-    engine, *_ = zz.initialize(model=model, config=_cfg({}, True), transport=t)
-    sizes = sorted(u.layout.padded_numel for u in engine.units)
-    engine.close()
+    sizes = _unit_sizes(t)
     off = _train(t, _gpt(), _cfg({}, False), batches)
     for name, live in (("none", 0), ("two", 2 * sizes[-1])):
         on = _train(t, _gpt(), _cfg({}, True, max_live=live), batches)
