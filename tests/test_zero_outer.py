@@ -518,47 +518,55 @@ def _reduces(t):
             out["1bit-restored"] = bool(torch.equal(a, b))
             red.load_state_dict(saved)  # rewind: the sequence goes on as without the extra call
     out["1bit-errors"] = (errs[0], errs[-1], float(exact.abs().mean()))
-    out["topk"] = _topk_against_reference(t, inter, x_of, n, gs)
+    out["topk"] = _topk_against_reference(t, inter, x_of, n, gs, None)
+    out["topk-chunks"] = _topk_against_reference(t, inter, x_of, n, gs, 1024)
     t.counters.reset()
     red(mine.clone())
     out["1bit-bytes"] = t.counters.snapshot()[red.counter].inter_bytes
     return out
 
 
-def _topk_reference(x: torch.Tensor, error: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what the rank sends, decoded; its new error) by a plain sort: the k largest |x + e|,
-    int8 codes over max/127."""
+def _topk_reference(x: torch.Tensor, error: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the rank sends, decoded; its new error) by a plain sort, chunk by chunk: the
+    ceil(chunk / 64) largest |x + e| of every chunk of ``chunk`` elements (a shorter last
+    chunk keeps as many, or all it has), int8 codes over the chunk's max/127."""
     acc = x + error
-    keep = torch.argsort(acc.abs(), descending=True)[:k]
-    scale = float(acc[keep].abs().max()) / 127.0
     sent = torch.zeros_like(acc)
-    sent[keep] = torch.round(acc[keep] / torch.tensor(scale, dtype=torch.float32)).clamp(-127, 127) * torch.tensor(
-        scale, dtype=torch.float32)
+    kept = -(-chunk // 64)
+    for lo in range(0, acc.numel(), chunk):
+        part = acc[lo:lo + chunk]
+        keep = lo + torch.argsort(part.abs(), descending=True)[:kept]
+        scale = torch.tensor(float(acc[keep].abs().max()) / 127.0, dtype=torch.float32)
+        sent[keep] = torch.round(acc[keep] / scale).clamp(-127, 127) * scale
     return sent, acc - sent
 
 
-def _topk_against_reference(t, inter, x_of, n, gs):
+def _topk_against_reference(t, inter, x_of, n, gs, chunk):
     from zpp.zero.outer.reduce import SparseMean, sparse_frame_bytes
 
     peers = list(inter.ranks)
-    red = build_outer_reduce("topk", inter, n, gs)
-    assert isinstance(red, SparseMean) and red.k == -(-n // 64)
+
+    def build():
+        return build_outer_reduce("topk", inter, n, gs) if chunk is None else SparseMean(inter, n, gs, chunk=chunk)
+    red = build()
+    size = n if chunk is None else chunk  # the default chunk (4096) holds all n = 3001 elements
+    assert isinstance(red, SparseMean) and red.chunk == size and red.k == -(-n // size) * -(-size // 64)
     errors = {r: torch.zeros(n) for r in peers}
-    res = {"wrong": [], "bytes": []}
+    res = {"wrong": [], "bytes": [], "k": red.k, "chunks": red.chunks}
     for call in range(3):
         sends = {}
         for r in peers:
-            sends[r], errors[r] = _topk_reference(x_of(r, call), errors[r], red.k)
+            sends[r], errors[r] = _topk_reference(x_of(r, call), errors[r], size)
         expect = sum(sends.values()) / len(peers)
         t.counters.reset()
         y = red(x_of(t.rank, call).clone())
         st = t.counters.snapshot()[red.counter]
-        res["bytes"].append((st.inter_bytes, st.intra_bytes, (len(peers) - 1) * sparse_frame_bytes(red.k)))
+        res["bytes"].append((st.inter_bytes, st.intra_bytes, (len(peers) - 1) * sparse_frame_bytes(n, size)))
         res["wrong"].append((float((y - expect).abs().max()), float((red.error - errors[t.rank]).abs().max()),
                              int((sends[t.rank] != 0).sum()), int((y != 0).sum())))
         if call == 1:
             saved = red.state_dict()
-            twin = build_outer_reduce("topk", inter, n, gs)
+            twin = build()
             twin.load_state_dict(saved)
             res["restored"] = bool(torch.equal(twin.error, red.error))
     return res
@@ -585,15 +593,19 @@ def test_outer_all_reduce_compressed():
         assert r["1bit-bytes"] < 0.05 * r["none"][2], (r["1bit-bytes"], r["none"][2])
         # topk: the same mean as the plain reference on every call (error feedback carried
         # exactly: the rank's error buffer equals the reference's), k entries per rank, and
-        # (N-1) frames of 5k + 4 bytes on the wire, nothing inside the node
-        k = -(-n // 64)
-        for call, (err, eerr, sent, nonzero) in enumerate(r["topk"]["wrong"]):
-            assert err < 1e-6 and eerr < 1e-6, (rank, call, err, eerr)
-            assert sent == k and k <= nonzero <= NODES * k, (rank, call, sent, nonzero)
-        for inter, intra, expect in r["topk"]["bytes"]:
-            assert (inter, intra) == (expect, 0) and expect == (NODES - 1) * (5 * k + 4), r["topk"]["bytes"]
-        assert r["topk"]["bytes"][0][0] < 0.16 * r["int4"][2]  # 5N/64 of int4's at N = 2 nodes (+ its scales)
-        assert r["topk"]["restored"], rank
+        # (N-1) frames of 3k + 4 per chunk bytes on the wire, nothing inside the node; in one
+        # chunk (the default 4096 > n) and in three of 1024 (the last one padded)
+        for key, chunks, kept in (("topk", 1, -(-n // 64)), ("topk-chunks", 3, 16)):
+            got = r[key]
+            assert (got["chunks"], got["k"]) == (chunks, chunks * kept), (key, got["chunks"], got["k"])
+            for call, (err, eerr, sent, nonzero) in enumerate(got["wrong"]):
+                assert err < 1e-6 and eerr < 1e-6, (rank, key, call, err, eerr)
+                assert sent == got["k"] and got["k"] <= nonzero <= NODES * got["k"], (rank, key, call, sent, nonzero)
+            for inter, intra, expect in got["bytes"]:
+                assert (inter, intra) == (expect, 0), (key, got["bytes"])
+                assert expect == (NODES - 1) * chunks * (3 * kept + 4), (key, expect)
+            assert got["restored"], (rank, key)
+        assert r["topk"]["bytes"][0][0] < 0.1 * r["int4"][2]  # 3N/64 of int4's at N = 2 nodes (+ its scales)
 
 
 # ---------------------------------------------------------------------- no world

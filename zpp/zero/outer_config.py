@@ -75,8 +75,9 @@ class OuterConfig:
     """How the pseudo-gradient crosses the nodes: "none": an fp32 all-reduce; "int8" /
     "int4": a group-quantized reduce-scatter, then a quantized all-gather of the mean;
     "1bit": the 1-bit all-reduce with error feedback (:mod:`zpp.comm.onebit`), whose error
-    buffers are checkpointed; "topk": the largest 1/64 of the entries as int32 index + int8
-    value with error feedback, all-gathered (:class:`~zpp.zero.outer.reduce.SparseMean`)
+    buffers are checkpointed; "topk": in every chunk of 4096 entries the largest 64, as int16
+    index + int8 value (one fp32 scale per chunk), with error feedback, all-gathered
+    (:class:`~zpp.zero.outer.reduce.SparseMean`)
     (Default: "none")."""
     group_size: int = 2048
     """int8 / int4: elements per fp32 scale (Default: 2048)."""
