@@ -153,11 +153,22 @@ def _model(args, seed):
     return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block))
 
 
+#: apart from any ``1000 * seed + rank`` of the seeds and ranks used here
+DATA_ORDER_STRIDE = 1_000_003
+
+
+def data_seed(seed: int, rank: int, order: int = 0) -> int:
+    """The seed of one rank's batch stream: the same for every variant of a seed; ``order``
+    > 0 draws other batches from the same corpus (``--data-order``: how far two runs that
+    differ only in their batches end apart, the measure's own spread)."""
+    return 1000 * seed + rank + DATA_ORDER_STRIDE * order
+
+
 def _run(t, name, seed, args, data) -> dict:
     model = _model(args, seed)
     psi = sum(p.numel() for p in model.parameters())
     net, backward, opt_step, engine = _build(name, model, t, args)
-    g = torch.Generator().manual_seed(1000 * seed + t.rank)  # this rank's stream, the same for every variant
+    g = torch.Generator().manual_seed(data_seed(seed, t.rank, getattr(args, "data_order", 0)))
     losses, times = [], []
     t.counters.reset()
     t.barrier()
@@ -182,7 +193,8 @@ def _run(t, name, seed, args, data) -> dict:
     every = torch.empty(t.world_size * mine.numel(), dtype=torch.float64)
     t.all_gather(every, mine.reshape(-1))
     every = every.view(t.world_size, 2, args.steps)
-    row = {"variant": name, "seed": seed, "params": psi, "steps": args.steps,
+    row = {"variant": name, "seed": seed, "data_order": getattr(args, "data_order", 0), "params": psi,
+           "steps": args.steps,
            "loss_curve": every[:, 0].mean(0).tolist(), "time_curve": every[:, 1].amax(0).tolist(), **eth}
     row["step_s"] = row["time_curve"][-1] / args.steps
     if engine is not None:
@@ -327,7 +339,10 @@ def _rank_main(t, args):
 
 
 def add_schedule_args(p) -> None:
-    """The inner lr's schedule options (:func:`scheduler_config`), shared with perf/diloco_study.py."""
+    """The inner lr's schedule and the batches' order (:func:`scheduler_config`,
+    :func:`data_seed`), shared with perf/diloco_study.py."""
+    p.add_argument("--data-order", type=int, default=0,
+                   help="0: each seed's own batches; K > 0: other batches of the same corpus, the same model init")
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                    help="the inner lr: constant, or a linear warm-up then cosine decay over --steps")
     p.add_argument("--lr-warmup", type=int, default=20, help="--lr-schedule cosine: warm-up steps")

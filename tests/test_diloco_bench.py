@@ -99,3 +99,13 @@ def test_every_variant_gets_its_own_config(bench):
     assert zero["onebitadam"]["zero_optimization"] == {"stage": 0}
     with pytest.raises(ValueError, match="'ddp'"):
         bench.engine_config("ddp", args, 2)
+
+
+def test_data_order_draws_other_batches_from_the_same_seed(bench):
+    # order 0 is every earlier run's stream (1000 * seed + rank); other orders are new streams
+    # that collide with no seed's and rank's
+    assert bench.data_seed(3, 1) == bench.data_seed(3, 1, 0) == 3001
+    seeds = {bench.data_seed(s, r, o) for s in range(1, 6) for r in range(8) for o in range(3)}
+    assert len(seeds) == 5 * 8 * 3
+    args = bench.parser().parse_args(["--data-order", "2"])
+    assert args.data_order == 2 and bench.parser().parse_args([]).data_order == 0
