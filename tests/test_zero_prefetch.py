@@ -4,6 +4,8 @@ were really started ahead and used, with each ZeRO++ switch and all of them, on 
 and on 2 nodes x 2 ranks; a pass whose order differs from the trace falls back (counted)
 without hanging; evaluation forwards keep their own trace; the bucket size bounds what is
 in flight and its buffers show in ``model_state_bytes``."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 import zpp.zero as zz
 from tests.dist import run_world
 from tests.gpt import GPT, GPTConfig
-from zpp.zero.prefetch_depth import choose_window
+from zpp.zero.prefetch_depth import Measured, choose_window, peak_ahead
 from zpp.zero.shard import ShardState
 
 STEPS = 4
@@ -245,3 +247,46 @@ def test_measured_window_and_max_live_parameters():
         assert two["same_losses"] and two["stats"].prefetched > 0, two
         # the unit running is gathered beside what is started
         assert two["stats"].peak_inflight_numel <= two["live"] - two["smallest"], two
+
+
+BUCKETS = (1, 2000, 5000, 12000, 50_000_000)
+
+
+def _peak_world(t):
+    """Per bucket: the engine's measured peak of gathers started ahead, the rule's walk over
+    the engine's own trace, and ``zpp tune``'s memory model's prediction from the units alone."""
+    from zpp.tune import cost
+
+    out = []
+    for bucket in BUCKETS:
+        engine, *_ = zz.initialize(model=_gpt(), config=_cfg({}, True, bucket=bucket), transport=t)
+        for x, y in _batches(t.rank, 3):
+            engine.backward(engine(x, y))
+            engine.step()
+        trace = engine._prefetch.trace(True)
+        size = {u.index: u.layout.padded_numel for u in engine.units}
+        walked = peak_ahead([Measured(i, size[i], 0.0, 0.0) for i, _ in trace], bucket)
+        units = cost.units_from_trace([u.layout.numel for u in engine.units], [False] * len(engine.units),
+                                      [(i, p.value) for i, p in trace])
+        mode = dataclasses.replace(cost.MODES["zero3"], prefetch_bucket=bucket)
+        out.append(dict(bucket=bucket, measured=engine.prefetch_stats.peak_inflight_numel, walked=walked,
+                        tune=cost.gathered_ahead(mode, units, t.world_size), biggest=max(size.values()),
+                        peak_bytes=cost.memory(mode, units, cost.Cluster(1, t.world_size, cost.LINKS["loopback"],
+                                                                         cost.LINKS["loopback"]))["peak"]))
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_peak_started_ahead_is_the_rules_walk_and_tune_predicts_it():
+    results = run_world(_peak_world, 2, timeout=100)
+    assert results[0] == results[1]
+    rows = results[0]
+    for r in rows:
+        assert r["walked"] == r["measured"] > 0, r  # the rule's walk over the real trace, exactly
+        assert abs(r["tune"] - r["measured"]) <= 0.05 * r["measured"], r  # a canonical pass, from the units
+    # the bucket decides how much is held: one unit ahead at least, the whole model with 5e7
+    assert [r["measured"] for r in rows] == sorted(r["measured"] for r in rows), rows
+    assert rows[0]["measured"] <= rows[0]["biggest"] < rows[-1]["measured"], rows
+    # the memory model holds max(2 biggest units, what is started ahead): 5e7 costs more than 1
+    assert rows[-1]["peak_bytes"] - rows[0]["peak_bytes"] == 4 * (rows[-1]["tune"] - 2 * rows[0]["biggest"]), rows

@@ -2,7 +2,7 @@
 measured link]) on passes whose prefetched time is worked out by hand."""
 import pytest
 
-from zpp.zero.prefetch_depth import HEADROOM, Measured, ahead, choose_window, simulate
+from zpp.zero.prefetch_depth import HEADROOM, Measured, ahead, choose_window, peak_ahead, simulate
 
 N = 1000
 
@@ -51,6 +51,28 @@ def test_a_unit_still_gathered_is_not_started():
     free = [Measured(1, N, 1, 1, frozenset({1})), Measured(2, N, 1, 1, frozenset({2}))]
     held = [Measured(1, N, 1, 1, frozenset({1, 2})), Measured(2, N, 1, 1, frozenset({2}))]
     assert simulate(free, 10 * N) == 3 and simulate(held, 10 * N) == 4
+
+
+def test_peak_ahead_follows_the_rule_by_hand():
+    # sizes 4, 1, 1, 3, 2 (x N), the forward then the backward in reverse, nothing held;
+    # after serving an entry the walk starts the next ones while fewer than the window are
+    # started, stopping at the unit just served or one already started
+    sizes = [4, 1, 1, 3, 2]
+    order = [0, 1, 2, 3, 4, 4, 3, 2, 1, 0]
+    steps = [Measured(unit=i, numel=sizes[i] * N, gather_s=1, compute_s=1) for i in order]
+    assert peak_ahead(steps, 0) == 0
+    # window 1 element: one entry ahead at a time (counted before each start): the forward's
+    # units 1..4, none past the repeated unit 4, then the backward's 3, 2, 1 and 0 (4N)
+    assert peak_ahead(steps, 1) == 4 * N
+    # window 2N: after entry 0 units 1, 2 (2N: stop); after entry 1 (1N left) unit 3 -> 4N;
+    # in the backward after entry 7 (unit 1 left, 1N) unit 0 -> 5N
+    assert peak_ahead(steps, 2 * N) == 5 * N
+    # unbounded: the forward's units 1..4 (7N); after the repeated unit 4 the backward's 3, 2,
+    # 1, 0 (9N)
+    assert peak_ahead(steps, 100 * N) == 9 * N
+    # the times do not change it
+    slow = [Measured(s.unit, s.numel, 10.0, 0.0) for s in steps]
+    assert [peak_ahead(slow, w) for w in (1, 2 * N, 100 * N)] == [4 * N, 5 * N, 9 * N]
 
 
 def test_bad_values():

@@ -60,6 +60,8 @@ DEFAULT_WEIGHT_GROUP_SIZE = 2048
 #: (perf/BENCHMARKS.md, "The loss cost of ZeRO++'s quantizers"); DeepSpeed's qgZ groups one
 #: row of a gradient (the smaller dimension), about the hidden size
 DEFAULT_GRADIENT_GROUP_SIZE = 128
+#: ``stage3_prefetch_bucket_size`` (DeepSpeed's default)
+DEFAULT_PREFETCH_BUCKET_SIZE = 50_000_000
 NONFINITE = ("skip", "raise")
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class LeafModuleConfig:
@@ -111,7 +113,7 @@ class ZeroConfig:
     """With the optimizer state on NVMe: the most elements of one unit at stages 0-2 (and of
     stage 3's buckets of small parameters), so the state streams in pieces of this size
     (DeepSpeed's tile of the offloaded optimizer step) (Default: 1e9)."""
-    prefetch_bucket_size: int | Literal["auto"] = 50_000_000
+    prefetch_bucket_size: int | Literal["auto"] = DEFAULT_PREFETCH_BUCKET_SIZE
     """Stage 3: elements of parameter gathers started ahead of use (in the order recorded
     on the first pass) that may be in flight or waiting at once, counted before each start
     (DeepSpeed's rule); 0 turns prefetch off; "auto" chooses it at the end of the second pass

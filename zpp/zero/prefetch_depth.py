@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["HEADROOM", "TOLERANCE", "Measured", "ahead", "choose_window", "simulate"]
+__all__ = ["HEADROOM", "TOLERANCE", "Measured", "ahead", "choose_window", "peak_ahead", "simulate"]
 
 TOLERANCE = 0.02
 """A window is deep enough when its predicted pass is within this fraction of an unbounded
@@ -80,11 +80,24 @@ def simulate(steps: Sequence[Measured], window: int) -> float:
     """Seconds of a pass with ``window`` elements of gathers allowed ahead of use, predicted
     from a pass measured without prefetch (see [Note: the prefetch window from the measured
     link])."""
+    return _walk(steps, window)[0]
+
+
+def peak_ahead(steps: Sequence[Measured], window: int) -> int:
+    """The most elements started ahead and not yet used at once in a pass like ``steps``
+    with ``window`` (the engine's ``PrefetchStats.peak_inflight_numel``); the times do not
+    matter, only the order, the sizes and ``held``. ``zpp tune`` predicts stage 3's gathered
+    memory from it (zpp.tune.cost.memory)."""
+    return _walk(steps, window)[1]
+
+
+def _walk(steps: Sequence[Measured], window: int) -> tuple[float, int]:
+    """(seconds, most elements started ahead at once) of a pass under the prefetcher's rule."""
     if window < 0:
         raise ValueError(f"simulate: window={window} must be >= 0")
     now = link_free = 0.0
     ready: dict[int, float] = {}  # entry -> when its gather ends, for entries started ahead
-    started_numel = 0
+    started_numel = peak = 0
     started_units: set[int] = set()
     nxt = 0
     for i, s in enumerate(steps):
@@ -106,8 +119,9 @@ def simulate(steps: Sequence[Measured], window: int) -> float:
             started_units.add(t.unit)
             j += 1
         nxt = j
+        peak = max(peak, started_numel)
         now += s.compute_s
-    return now
+    return now, peak
 
 
 def ahead(k: int, biggest: int) -> int:
