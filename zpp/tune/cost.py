@@ -67,10 +67,10 @@ measured (a run whose communication time the model knows, less that time) or fro
 
 *Memory per rank (model states).* Parameters: ``b Psi`` unsharded, ``b Psi / W`` sharded
 (+ the hpZ secondary ``b Psi / R`` while valid; at stage 3 the gathered full buffers, the
-larger of two largest units and what the prefetch bucket starts ahead, :func:`gathered_ahead`); gradients: the fp32 full buffers while a
-unit's backward runs, the reduced fp32 shard kept until the step (``4 Psi / W`` from stage
-2, ``4 Psi`` below); optimizer: Adam's two fp32 moments ``8 Psi / W`` from stage 1 (``8 Psi``
-at stage 0; in host memory with ``offload``; on NVMe ``buffer_count`` host buffers of the
+larger of two largest units and what the prefetch bucket starts ahead,
+:func:`gathered_ahead`); gradients: the fp32 full buffers while a unit's backward runs,
+the reduced fp32 shard kept until the step (``4 Psi / W`` from stage 2, ``4 Psi`` below);
+optimizer: Adam's two fp32 moments ``8 Psi / W`` from stage 1 (``8 Psi`` at stage 0; in host memory with ``offload``; on NVMe ``buffer_count`` host buffers of the
 largest unit's moments); the outer mode adds ``8 Psi / R``. The peak adds the profile's
 ``other_bytes`` (activations, the framework), measured once per model.
 

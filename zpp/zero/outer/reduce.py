@@ -212,8 +212,7 @@ class SparseMean(OuterReduce):
     def __init__(self, inter: Transport, numel: int, group_size: int, *, chunk: int = TOPK_CHUNK) -> None:
         super().__init__(inter, numel, group_size)
         self.chunk, self.chunks, self.kept = sparse_layout(numel, chunk)
-        self.k = self.chunks * self.kept
-        """Entries sent per call (every chunk's, the last chunk's padding included)."""
+        self.k = self.chunks * self.kept  # entries sent per call (the last chunk's padding included)
         # the error buffer padded to whole chunks; the padding stays zero (a padded entry that
         # is kept sends 0 and leaves 0 behind)
         self._padded = torch.zeros(self.chunks * self.chunk, dtype=torch.float32)
