@@ -160,7 +160,10 @@ DATA_ORDER_STRIDE = 1_000_003
 def data_seed(seed: int, rank: int, order: int = 0) -> int:
     """The seed of one rank's batch stream: the same for every variant of a seed; ``order``
     > 0 draws other batches from the same corpus (``--data-order``: how far two runs that
-    differ only in their batches end apart, the measure's own spread)."""
+    differ only in their batches end apart, the measure's own spread). Distinct for every
+    seed and rank below 1000."""
+    if order < 0:
+        raise ValueError(f"--data-order {order}: expected an integer >= 0")
     return 1000 * seed + rank + DATA_ORDER_STRIDE * order
 
 
@@ -223,12 +226,13 @@ def windowed(curve: list[float], window: int) -> list[float]:
     return out
 
 
-def with_targets_from(path: str, seeds: list[int]) -> list[dict]:
-    """DDP's rows for ``seeds`` from an earlier run's JSON, each marked with ``"from": path``
-    (ValueError naming the seeds it lacks)."""
+def with_targets_from(path: str, seeds: list[int], data_order: int = 0) -> list[dict]:
+    """DDP's rows for ``seeds`` (and ``data_order``) from an earlier run's JSON, each marked
+    with ``"from": path`` (ValueError naming the seeds it lacks)."""
     with open(path) as f:
         earlier = json.load(f)
-    refs = [{**r, "from": path} for r in earlier["rows"] if r.get("variant") == "ddp" and r.get("seed") in seeds]
+    refs = [{**r, "from": path} for r in earlier["rows"] if r.get("variant") == "ddp" and r.get("seed") in seeds
+            and r.get("data_order", 0) == data_order]
     missing = sorted(set(seeds) - {r["seed"] for r in refs})
     if missing:
         raise ValueError(f"--target-from {path}: no DDP row for seed(s) {missing}")
@@ -324,7 +328,7 @@ def _rank_main(t, args):
     if t.rank != 0:
         return
     if args.target_from:
-        rows = with_targets_from(args.target_from, args.seeds) + rows
+        rows = with_targets_from(args.target_from, args.seeds, args.data_order) + rows
     summarize(rows, args.window)
     print(f"# diloco_bench: world={t.world_size} label={args.label or 'unshaped'} steps={args.steps} GPT "
           f"n_layer={args.n_layer} n_embd={args.n_embd} block={args.block} batch={args.batch} "

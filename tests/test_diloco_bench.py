@@ -74,6 +74,9 @@ def test_targets_from_an_earlier_run(bench, tmp_path):
     assert longer["ddp_over_this"] == pytest.approx(4.0 / 3.5)
     with pytest.raises(ValueError, match=r"no DDP row for seed\(s\) \[2\]"):
         bench.with_targets_from(str(path), [0, 2])
+    # another data order's run is not the target: its DDP row must be of the same order
+    with pytest.raises(ValueError, match=r"no DDP row for seed\(s\) \[0\]"):
+        bench.with_targets_from(str(path), [0], data_order=1)
     with pytest.raises(SystemExit):
         bench.main(["--variants", "ddp,diloco", "--target-from", str(path)])
 
@@ -107,5 +110,7 @@ def test_data_order_draws_other_batches_from_the_same_seed(bench):
     assert bench.data_seed(3, 1) == bench.data_seed(3, 1, 0) == 3001
     seeds = {bench.data_seed(s, r, o) for s in range(1, 6) for r in range(8) for o in range(3)}
     assert len(seeds) == 5 * 8 * 3
+    with pytest.raises(ValueError, match="--data-order -1"):
+        bench.data_seed(1, 0, -1)
     args = bench.parser().parse_args(["--data-order", "2"])
     assert args.data_order == 2 and bench.parser().parse_args([]).data_order == 0

@@ -568,7 +568,12 @@ def _topk_against_reference(t, inter, x_of, n, gs, chunk):
             saved = red.state_dict()
             twin = build()
             twin.load_state_dict(saved)
-            res["restored"] = bool(torch.equal(twin.error, red.error))
+            # the restored twin sends what the original sends next; then the original is
+            # rewound by the same load (a wrong load shows in the next call's reference check)
+            x2 = x_of(t.rank, 2)
+            a, b = red(x2.clone()), twin(x2.clone())
+            res["restored"] = bool(torch.equal(a, b)) and bool(torch.equal(twin.error, red.error))
+            red.load_state_dict(saved)
     return res
 
 

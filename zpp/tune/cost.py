@@ -66,12 +66,13 @@ measured (a run whose communication time the model knows, less that time) or fro
 (``6 Psi tokens / (peak flops x mfu)``).
 
 *Memory per rank (model states).* Parameters: ``b Psi`` unsharded, ``b Psi / W`` sharded
-(+ the hpZ secondary ``b Psi / R`` while valid; at stage 3 the gathered full buffers, the
-larger of two largest units and what the prefetch bucket starts ahead,
+(+ the hpZ secondary ``b Psi / R`` while valid; at stage 3 the gathered full buffers:
+twice the largest unit, or what the prefetch bucket starts ahead where that is more,
 :func:`gathered_ahead`); gradients: the fp32 full buffers while a unit's backward runs,
 the reduced fp32 shard kept until the step (``4 Psi / W`` from stage 2, ``4 Psi`` below);
-optimizer: Adam's two fp32 moments ``8 Psi / W`` from stage 1 (``8 Psi`` at stage 0; in host memory with ``offload``; on NVMe ``buffer_count`` host buffers of the
-largest unit's moments); the outer mode adds ``8 Psi / R``. The peak adds the profile's
+optimizer: Adam's two fp32 moments ``8 Psi / W`` from stage 1 (``8 Psi`` at stage 0; in
+host memory with ``offload``; on NVMe ``buffer_count`` host buffers of the largest unit's
+moments); the outer mode adds ``8 Psi / R``. The peak adds the profile's
 ``other_bytes`` (activations, the framework), measured once per model.
 
 [Note: the resident peak]
@@ -675,7 +676,10 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
     this many host buffers of one unit's moments stand for them; ``live_numel``: the
     gathered elements held at once at stage 3, where measured (else the biggest unit times
     ``1 + prefetch_units``, or what the prefetch bucket starts ahead where that is more:
-    :func:`gathered_ahead`); ``param_nvme_buffers``: stage 3's parameter shards and reduced
+    :func:`gathered_ahead`; the quantity perf/memory_bench.py measures as
+    ``live_units_numel``, ``max(peak started ahead, 2 x the largest unit)``, on which the
+    formula was checked: it leaves out the unit running beside what is started, which the
+    measured rest absorbs); ``param_nvme_buffers``: stage 3's parameter shards and reduced
     gradients are on NVMe too (``offload_param.device: "nvme"``, [Note: parameters on NVMe]):
     this many host buffers of one unit's shard stand for them at rest, and in a step the
     shards of the units being gathered (``live_numel / W``) and one reduced gradient shard."""

@@ -19,11 +19,12 @@ name        what                                                        bytes se
 ``int4``    the same in 4 bits                                          ``2 (N-1)/N * S/2``
 ``1bit``    :class:`~zpp.comm.onebit.OneBitAllReduce`: signs and one    ``2 (N-1)/N * S/8``
             scale per chunk, error feedback on both sides
-``topk``    :class:`SparseMean`: in every chunk of 4096 elements the 64    ``(N-1) * 196 C``
-            largest of (pseudo-gradient + error), int16 index and int8
-            value each plus one fp32 scale per chunk, all-gathered;
+``topk``    :class:`SparseMean`: in every chunk of 4096 elements the    ``(N-1) * 196 C``
+            64 largest of (pseudo-gradient + error), int16 index and
+            int8 value each plus one fp32 scale per chunk, all-gathered;
             error feedback on the sender ([Note: sparse outer
-            all-reduce]); ``C = ceil(S / 4096)`` chunks
+            all-reduce]); ``C = ceil(S / 4096)`` chunks (below 4096
+            elements one chunk: ``(N-1) * (3 ceil(S/64) + 4)``)
 ==========  ==========================================================  =================
 
 plus one fp32 scale per quantization group (int8/int4: ``group_size`` elements) or per chunk
@@ -41,17 +42,19 @@ variant returns its input unchanged.
 ``topk`` (SparseLoCo's shape, arXiv 2508.15706: top-k per chunk with error feedback and a
 quantized payload). Each rank adds its error buffer ``e`` to the fragment, ``a = x + e``; cuts
 ``a`` into chunks of 4096 elements (one chunk of ``S`` when the fragment is shorter; the last
-chunk padded with zeros); keeps in every chunk the 64 entries of largest ``|a|``
-(``torch.topk``, 1/64 of the entries); codes each chunk's kept values as int8 with one fp32
+chunk padded with zeros, so it keeps 64 however short it is: at most 63 entries more than
+1/64 per frame); keeps in every chunk the 64 entries of largest ``|a|`` (``torch.topk``);
+codes each chunk's kept values as int8 with one fp32
 scale ``max |kept| / 127``; and keeps as its new error everything it did not send,
 ``e = a - decoded`` (the unsent entries whole, the sent ones' rounding). Its frame, ``196``
 bytes per chunk: every chunk's 64 indices inside the chunk as int16 (little-endian, as torch
 stores them), then their int8 codes, then the chunks' scales. Picking per chunk is what lets an
 index fit 16 bits: 3 bytes per kept entry instead of 5 with int32 indices over the whole
-fragment (the first version, 2026-12-03: ``5 S / 64 + 4`` bytes), so 0.61x the bytes, and the
+fragment (the first version, 2026-12-02: ``5 S / 64 + 4`` bytes), so 0.61x the bytes, and the
 scale per chunk follows the pseudo-gradient's magnitude along the model. The frames are
 all-gathered over the nodes and every rank forms the same mean
-``sum_j scatter(idx_j, code_j * scale_j) / N``; the result has at most ``N S / 64`` nonzeros.
+``sum_j scatter(idx_j, code_j * scale_j) / N``; the result has at most ``N k`` nonzeros (``k``
+= 64 per chunk).
 The error buffer (4S bytes per rank) is checkpointed like the 1-bit one (its layout did not
 change with the chunks). The all-gather sends ``(N-1)`` frames per rank, about
 ``(N-1) * 3.06 S / 64`` bytes, where int4's reduce-scatter pair sends ``(N-1)/N * S`` bytes:
@@ -235,13 +238,15 @@ class SparseMean(OuterReduce):
     def decode_sum(self, frames: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` = the sum of the decoded ``frames`` (``W`` frames laid end to end)."""
         n, kept = self.chunks * self.kept, self.kept
-        total = torch.zeros(self.chunks, self.chunk, dtype=torch.float32)
+        padded = self.chunks * self.chunk != self.numel  # a scratch buffer only for a padded last chunk
+        total = torch.zeros(self.chunks * self.chunk, dtype=torch.float32) if padded else out.zero_()
         for f in frames.view(-1, self.frame):
             idx = f[:2 * n].clone().view(torch.int16).long().view(self.chunks, kept)
             codes = f[2 * n:3 * n].clone().view(torch.int8).float().view(self.chunks, kept)
             scale = f[3 * n:].clone().view(torch.float32)
-            total.scatter_add_(1, idx, codes * scale[:, None])
-        out.copy_(total.view(-1)[:self.numel])
+            total.view(self.chunks, self.chunk).scatter_add_(1, idx, codes * scale[:, None])
+        if padded:
+            out.copy_(total[:self.numel])
 
     def _reduce(self, x: torch.Tensor) -> None:
         t = self.inter
