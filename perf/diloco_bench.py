@@ -167,23 +167,58 @@ def data_seed(seed: int, rank: int, order: int = 0) -> int:
     return 1000 * seed + rank + DATA_ORDER_STRIDE * order
 
 
-def _run(t, name, seed, args, data) -> dict:
+#: the corpus the batches are drawn from (the first bytes of the stdlib walk, tests/gpt.py)
+TRAIN_BYTES = 2_000_000
+#: the held-out bytes after them (other files): the evaluation's batches
+HELD_OUT_BYTES = 250_000
+#: the evaluation batches' generator (the same batches for every variant, seed and order)
+EVAL_SEED = 424_242
+
+
+def corpora():
+    """(training corpus, held-out corpus): the held-out one is the ``HELD_OUT_BYTES`` that
+    follow the training bytes in the same walk, never drawn for training."""
+    from tests.gpt import CharCorpus
+
+    held = CharCorpus(max_bytes=TRAIN_BYTES + HELD_OUT_BYTES)
+    held.data = held.data[TRAIN_BYTES:]
+    return CharCorpus(max_bytes=TRAIN_BYTES), held
+
+
+def evaluate(net, held, args) -> float:
+    """The mean loss over ``args.eval_batches`` fixed batches of the held-out corpus (no
+    grad), the same batches on every rank; each rank evaluates its own weights (a node's
+    replica in the hierarchical mode)."""
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    with torch.no_grad():
+        return sum(float(net(*held.batch(args.batch, args.block, g))) for _ in range(args.eval_batches)) / max(
+            1, args.eval_batches)
+
+
+def _run(t, name, seed, args, data, held=None) -> dict:
+    """One variant's run; with ``held`` and ``args.eval_batches`` also the held-out loss after
+    each step of ``args.eval_at`` (its time left out of the time curve)."""
     model = _model(args, seed)
     psi = sum(p.numel() for p in model.parameters())
     net, backward, opt_step, engine = _build(name, model, t, args)
     g = torch.Generator().manual_seed(data_seed(seed, t.rank, getattr(args, "data_order", 0)))
-    losses, times = [], []
+    losses, times, evals = [], [], {}
+    eval_at = set(getattr(args, "eval_at", ())) if held is not None and getattr(args, "eval_batches", 0) else set()
     t.counters.reset()
     t.barrier()
     eth0 = trainlib.eth_counters()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
         x, y = data.batch(args.batch, args.block, g)
         loss = net(x, y)
         backward(loss)
         opt_step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        if step in eval_at:
+            paused = time.perf_counter()
+            evals[step] = evaluate(net, held, args)
+            t0 += time.perf_counter() - paused
     eth1 = trainlib.eth_counters()  # the link's bytes over the same span as the time curve
     if engine is not None and engine.outer is not None:
         # finish the sync in flight before the collectives below: with one rank per node the
@@ -200,6 +235,10 @@ def _run(t, name, seed, args, data) -> dict:
            "steps": args.steps,
            "loss_curve": every[:, 0].mean(0).tolist(), "time_curve": every[:, 1].amax(0).tolist(), **eth}
     row["step_s"] = row["time_curve"][-1] / args.steps
+    if evals:  # the mean over ranks (every rank evaluated the same steps)
+        mine = torch.tensor([evals[k] for k in sorted(evals)], dtype=torch.float64)
+        t.all_reduce(mine, "mean")
+        row["eval_loss"] = {str(k): v for k, v in zip(sorted(evals), mine.tolist())}
     if engine is not None:
         row["inter_bytes"], row["intra_bytes"] = trainlib.counted_per_step(snap, args.steps)
         row["bytes_source"] = "counters"
@@ -318,9 +357,7 @@ def plot(runs: list[dict], png: str) -> None:
 
 
 def _rank_main(t, args):
-    from tests.gpt import CharCorpus
-
-    data = CharCorpus(max_bytes=2_000_000)
+    data, _ = corpora()
     rows = []
     for seed in args.seeds:
         for name in args.variants:

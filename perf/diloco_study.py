@@ -12,6 +12,12 @@ A size is ``LAYERSxWIDTH`` (4 heads, ``--block`` characters). A setting is a nam
 ``method``, ``nesterov``, ...); ``defaults`` is ``{}``, the mode's own defaults at the
 bench's H = 10 (``sync_every`` is always taken from ``--sync-every`` unless a setting names it).
 
+Besides the training loss (the windowed mean of the batches just trained on, which moves
+with what those batches hold), every run's loss on ``--eval-batches`` fixed batches of
+held-out text (the stdlib files after the training bytes, perf/diloco_bench.py's
+:func:`corpora`) is taken at DDP's last step: ``eval_over_ddp`` compares the models, not
+the batches.
+
 The losses do not depend on the link (the outer updates land at fixed steps), so the study
 runs unshaped. Rank 0 prints one line per run and rewrites ``--json`` after each, so an
 interrupted study keeps what it finished. ``step_s`` is this machine's unshaped step; the
@@ -87,9 +93,7 @@ def time_at_link(row: dict, ddp: dict, mbit: float) -> dict:
 
 
 def _rank_main(t, args):
-    from tests.gpt import CharCorpus
-
-    data = CharCorpus(max_bytes=2_000_000)
+    data, held = diloco_bench.corpora()
     rows: list[dict] = []
     for size in args.sizes:
         for seed in args.seeds:
@@ -101,9 +105,10 @@ def _rank_main(t, args):
                     a.outer_config = {"sync_every": args.sync_every, **outer}
                 variant = "ddp" if outer is None else "diloco"
                 a.lr_total_steps = args.steps  # a decaying lr ends at DDP's last step for every run
+                a.eval_at = (args.steps,)  # the held-out loss at equal tokens
                 if outer is not None:  # longer, to see when it reaches DDP's final loss
                     a.steps = args.steps + args.extra_steps
-                row = diloco_bench._run(t, variant, seed, a, data)
+                row = diloco_bench._run(t, variant, seed, a, data, held)
                 if t.rank != 0:
                     continue
                 row.update(size=f"{size[0]}x{size[1]}", setting=name, ranks_per_node=args.ranks_per_node)
@@ -117,12 +122,16 @@ def _rank_main(t, args):
                     ddp = row
                 else:
                     row["final_over_ddp"] = row["equal_token_loss"] / ddp["final_loss"]
+                    if "eval_loss" in row and "eval_loss" in ddp:  # held out, at equal tokens
+                        key = str(args.steps)
+                        row["eval_over_ddp"] = row["eval_loss"][key] / ddp["eval_loss"][key]
                     row["at_10mbit"] = time_at_link(row, ddp, 10.0)
                 rows.append(row)
                 r10 = row.get("at_10mbit", {})
                 print(f"{row['size']:>6} seed {seed} {name:<24} params {row['params']:>8} step {row['step_s']:.3f} s "
                       f"inter {row['inter_bytes']:>10.0f} B/step  final {row['final_loss']:.4f}  "
-                      f"/ddp {row.get('final_over_ddp', 1.0):.4f}  steps to DDP's {row.get('steps_to_target')}  "
+                      f"/ddp {row.get('final_over_ddp', 1.0):.4f}  held-out /ddp {row.get('eval_over_ddp', 1.0):.4f}  "
+                      f"steps to DDP's {row.get('steps_to_target')}  "
                       f"10Mbit ddp/this {r10.get('ddp_over_this', float('nan')):.1f}", flush=True)
                 if args.json:
                     run = {**runinfo.provenance(), "args": {k: v for k, v in vars(args).items()}, "rows": rows}
@@ -160,6 +169,9 @@ def parser():
     p.add_argument("--sync-every", type=int, default=10, help="H, unless a setting names sync_every")
     p.add_argument("--inner-stage", type=int, default=2)
     p.add_argument("--window", type=int, default=20)
+    p.add_argument("--eval-batches", type=int, default=16,
+                   help="held-out batches (of --batch sequences) whose mean loss at DDP's last step is "
+                        "compared too; 0: none")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="only print a markdown table of earlier runs")
     p.add_argument("--extra-steps", type=int, default=200,

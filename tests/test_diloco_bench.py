@@ -114,3 +114,30 @@ def test_data_order_draws_other_batches_from_the_same_seed(bench):
         bench.data_seed(1, 0, -1)
     args = bench.parser().parse_args(["--data-order", "2"])
     assert args.data_order == 2 and bench.parser().parse_args([]).data_order == 0
+
+
+def test_the_held_out_loss_is_of_text_never_trained_on(bench):
+    import argparse
+
+    import torch
+
+    train, held = bench.corpora()
+    assert len(train.data) == bench.TRAIN_BYTES and 0 < len(held.data) <= bench.HELD_OUT_BYTES
+    # the held-out bytes are the ones after the training bytes in the same walk
+    from tests.gpt import CharCorpus
+
+    longer = CharCorpus(max_bytes=bench.TRAIN_BYTES + bench.HELD_OUT_BYTES)
+    assert torch.equal(longer.data[:bench.TRAIN_BYTES], train.data)
+    assert torch.equal(longer.data[bench.TRAIN_BYTES:], held.data)
+    args = argparse.Namespace(batch=2, block=8, eval_batches=3)
+    seen = []
+
+    def net(x, y):  # records what it is asked; the "loss" is the mean target byte
+        seen.append(x.clone())
+        return y.float().mean()
+    first = bench.evaluate(net, held, args)
+    again = bench.evaluate(net, held, args)
+    assert first == again and len(seen) == 6 and all(torch.equal(a, b) for a, b in zip(seen[:3], seen[3:]))
+    g = torch.Generator().manual_seed(bench.EVAL_SEED)
+    expect = sum(float(held.batch(2, 8, g)[1].float().mean()) for _ in range(3)) / 3
+    assert first == expect
