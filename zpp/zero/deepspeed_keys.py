@@ -39,7 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 from zpp.zero.checks import (
-    check_bool, check_choice, check_int, check_int_or_auto, check_mapping, check_number, check_str, check_str_tuple, fail,
+    check_bool, check_choice, check_int, check_int_or_auto, check_mapping, check_number, check_str, check_str_tuple,
+    fail,
 )
 from zpp.zero.config import ENGINE_PENDING, ActivationCheckpointingConfig, Fp16Config, OuterConfig, ZppConfig
 from zpp.zero.offload_config import AioConfig

@@ -80,7 +80,7 @@ def simulate(steps: Sequence[Measured], window: int) -> float:
     """Seconds of a pass with ``window`` elements of gathers allowed ahead of use, predicted
     from a pass measured without prefetch (see [Note: the prefetch window from the measured
     link])."""
-    return _walk(steps, window)[0]
+    return _walk(steps, window, "simulate")[0]
 
 
 def peak_ahead(steps: Sequence[Measured], window: int) -> int:
@@ -88,13 +88,14 @@ def peak_ahead(steps: Sequence[Measured], window: int) -> int:
     with ``window`` (the engine's ``PrefetchStats.peak_inflight_numel``); the times do not
     matter, only the order, the sizes and ``held``. ``zpp tune`` predicts stage 3's gathered
     memory from it (zpp.tune.cost.memory)."""
-    return _walk(steps, window)[1]
+    return _walk(steps, window, "peak_ahead")[1]
 
 
-def _walk(steps: Sequence[Measured], window: int) -> tuple[float, int]:
-    """(seconds, most elements started ahead at once) of a pass under the prefetcher's rule."""
+def _walk(steps: Sequence[Measured], window: int, who: str) -> tuple[float, int]:
+    """(seconds, most elements started ahead at once) of a pass under the prefetcher's rule;
+    ``who`` names the caller in the error for a negative window."""
     if window < 0:
-        raise ValueError(f"simulate: window={window} must be >= 0")
+        raise ValueError(f"{who}: window={window} must be >= 0")
     now = link_free = 0.0
     ready: dict[int, float] = {}  # entry -> when its gather ends, for entries started ahead
     started_numel = peak = 0

@@ -63,7 +63,6 @@ change with the chunks). The all-gather sends ``(N-1)`` frames per rank, about
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Callable
 
 import torch
@@ -72,6 +71,7 @@ from zpp.comm.collectives import quantized_all_reduce
 from zpp.comm.onebit import OneBitAllReduce
 from zpp.comm.topology import topology_of
 from zpp.comm.transport import Transport
+from zpp.zero.checks import check_int
 
 __all__ = ["OUTER_REDUCES", "OneBitMean", "OuterReduce", "PlainMean", "QuantizedMean", "SparseMean",
            "build_outer_reduce", "sparse_frame_bytes", "sparse_layout"]
@@ -192,8 +192,7 @@ def sparse_layout(numel: int, chunk: int = TOPK_CHUNK) -> tuple[int, int, int]:
     """(chunk length, chunks, entries kept per chunk) of ``topk`` for ``numel`` elements: one
     chunk of ``numel`` when it is shorter than ``chunk``, else ``ceil(numel / chunk)`` chunks
     (the last one padded with zeros)."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 64 <= chunk <= 32768:
-        raise ValueError(f"topk chunk={chunk!r}: expected an integer in [64, 32768] (its indices are int16)")
+    check_int("topk", "chunk", chunk, lo=TOPK_EVERY, hi=2**15)  # an index inside it is int16
     c = min(chunk, max(1, numel))
     return c, -(-numel // c), -(-c // TOPK_EVERY)
 
