@@ -37,6 +37,7 @@ panel per run (for instance one per link rate).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -244,7 +245,9 @@ def _run(t, name, seed, args, data, held=None) -> dict:
         row["bytes_source"] = "counters"
         if engine.outer is not None:
             s = engine.outer.stats
-            row["outer"] = {**_outer(args), "started": s.started, "landed": s.landed, "wait_s": s.wait_s,
+            c = engine.outer.config  # the settings in force, the mode's defaults filled in
+            row["outer"] = {**_outer(args), **dataclasses.asdict(c), "outer_lr": c.outer_lr,
+                            "outer_momentum": c.outer_momentum, "started": s.started, "landed": s.landed, "wait_s": s.wait_s,
                             "chosen_delay": s.chosen_delay,
                             "state_bytes": engine.model_state_bytes().get("outer")}
         engine.close()

@@ -9,8 +9,8 @@ batches; one world for the whole study, DDP once per size and seed.
 A size is ``LAYERSxWIDTH`` (4 heads, ``--block`` characters). A setting is a name from
 :data:`SETTINGS` or ``name:key=value,key=value`` with the keys of ``zpp.outer``
 (``lr``, ``momentum``, ``sync_every``, ``fragments``, ``delay``, ``mix``, ``compression``,
-``method``, ``nesterov``, ...); ``defaults`` is ``{}``, the mode's own defaults at the
-bench's H = 10 (``sync_every`` is always taken from ``--sync-every`` unless a setting names it).
+``method``, ``nesterov``, ...); ``defaults`` is ``{}``, the mode's own defaults (H = 5, 4
+fragments, delay 1, int4; ``--sync-every`` sets H for every setting that does not name it).
 
 Besides the training loss (the windowed mean of the batches just trained on, which moves
 with what those batches hold), every run's loss on ``--eval-batches`` fixed batches of
@@ -40,7 +40,7 @@ import trainlib  # noqa: E402
 SETTINGS: dict[str, dict] = {
     "defaults": {},
     # the cluster runs' setting of perf/BENCHMARKS.md (issue 23's "current settings")
-    "bench": {"fragments": 4, "delay": 1, "compression": "int4", "lr": 0.5},
+    "bench": {"sync_every": 10, "fragments": 4, "delay": 1, "compression": "int4", "lr": 0.5},
 }
 
 
@@ -102,7 +102,8 @@ def _rank_main(t, args):
                 a = argparse.Namespace(**vars(args))
                 a.n_layer, a.n_embd = size
                 if outer is not None:
-                    a.outer_config = {"sync_every": args.sync_every, **outer}
+                    h = {} if args.sync_every is None else {"sync_every": args.sync_every}
+                    a.outer_config = {**h, **outer}
                 variant = "ddp" if outer is None else "diloco"
                 a.lr_total_steps = args.steps  # a decaying lr ends at DDP's last step for every run
                 a.eval_at = (args.steps,)  # the held-out loss at equal tokens
@@ -166,7 +167,8 @@ def parser():
     p.add_argument("--sizes", default="4x64,4x128", help="comma-separated LAYERSxWIDTH")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--settings", default="defaults;bench", help="semicolon-separated settings (see the docstring)")
-    p.add_argument("--sync-every", type=int, default=10, help="H, unless a setting names sync_every")
+    p.add_argument("--sync-every", type=int, default=None,
+                   help="H, unless a setting names sync_every (default: the mode's, 5)")
     p.add_argument("--inner-stage", type=int, default=2)
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=16,

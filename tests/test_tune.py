@@ -530,12 +530,15 @@ def test_outer_advice_picks_the_smallest_sync_every_the_link_allows():
     assert HEADROOM == 1.25
     assert (by["none"].delay, by["none"].sync_every) == (3, 11)           # ceil(1.25 x 2.0), ceil(1.25 x 4 x 2.0)
     assert by["none"].link_busy == pytest.approx(4 * t / 11)
-    assert [(o.delay, o.sync_every) for o in a.options] == [(3, 11), (1, 3), (1, 2)]  # H >= delay + 1
-    assert a.chosen is by["int4"] and not a.link_bound
-    assert a.config() == {"method": "diloco", "sync_every": 2, "fragments": 4, "delay": 1, "compression": "int4"}
-    # steps long enough that every variant needs only H = delay + 1 = 2: the tie goes to no compression
+    # int8 needs H = 3 and int4 H = 2 (H >= delay + 1), both raised to the mode's default H = 5
+    # (shorter H lost loss): the tie goes to less compression
+    assert [(o.delay, o.sync_every) for o in a.options] == [(3, 11), (1, 5), (1, 5)]
+    assert a.chosen is by["int8"] and not a.link_bound
+    assert a.config() == {"method": "diloco", "sync_every": 5, "fragments": 4, "delay": 1, "compression": "int8"}
+    # steps long enough that every variant needs only H = delay + 1 = 2, raised to 5: the tie
+    # goes to no compression
     slow_steps = advise(_link_rows("torch", 100), params=25_000_000, step_s=100.0, fragments=4)
-    assert {o.sync_every for o in slow_steps.options} == {2} and slow_steps.chosen.compression == "none"
+    assert {o.sync_every for o in slow_steps.options} == {5} and slow_steps.chosen.compression == "none"
     # at 1 Mbit: fp32 H = 1001, int8 251, int4 126: above 100, so link-bound, int4 still the best
     tight = advise(_link_rows("torch", 1), params=25_000_000, step_s=1.0, fragments=4)
     assert [o.sync_every for o in tight.options] == [1001, 251, 126]

@@ -36,8 +36,16 @@ NODES, PER_NODE = 2, 2
 LR = 3e-3
 
 
+#: the settings the references below are written for (fp32 syncs of the whole shard, applied
+#: at once) unless a test names others; the mode's defaults are tested on their own
+PLAIN_OUTER = {"compression": "none", "fragments": 1, "delay": 0}
+
+
 def _cfg(stage=0, outer=None, *, opt="AdamW", lr=LR, bf16=False, **opt_params):
-    """A config; AdamW gets DeepSpeed's default weight decay 0 (the references' too)."""
+    """A config; AdamW gets DeepSpeed's default weight decay 0 (the references' too); ``outer``
+    over :data:`PLAIN_OUTER`."""
+    if outer is not None:
+        outer = {**PLAIN_OUTER, **outer}
     return {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": opt, "params": {"lr": lr, **opt_params}},
@@ -779,6 +787,48 @@ def test_delay_auto_covers_the_slowest_sync_and_every_rank_agrees(tmp_path):
         assert len(set(r["chosen"][2:])) == 1 and 1 < r["chosen"][2] <= 3, r["chosen"]
         assert r["resumed"] == r["sched"] == r["chosen"][-1] and r["exact"], r
     assert len({json.dumps(r["chosen"]) for r in res}) == 1  # the same on every rank
+
+
+def _defaults(t):
+    """``"outer": {}`` on 2 nodes x 1 at stage 0: the settings in force and what crossed."""
+    cfg = _cfg(0)
+    cfg["zpp"] = {"outer": {}}
+    engine = _engine(t, cfg)
+    t.counters.reset()
+    train_steps(engine, _batches("gpt", t.rank, 10))
+    stats = t.counters.snapshot()
+    c, s = engine.outer.config, engine.outer.stats
+    out = {"config": (c.sync_every, c.fragments, c.delay, c.compression, c.outer_lr, c.outer_momentum),
+           "background": engine.outer._worker is not None, "started": s.started, "landed": s.landed,
+           "quantized": stats["quantized_all_reduce"].inter_bytes if "quantized_all_reduce" in stats else 0,
+           "fp32": stats["all_reduce"].inter_bytes if "all_reduce" in stats else 0,
+           "trainable": sum(u.layout.shard_numel for u in engine.outer.units)}
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_outer_defaults_are_the_measured_setting():
+    """[Note: the mode's defaults]: H = 5, 4 fragments, delay 1 in the background, int4, lr 0.2
+    with momentum 0.9. Over 10 steps each fragment starts after the steps of its phase
+    (fragment f of 4 at H = 5: residues 1, 2, 3, 0, i.e. steps 1 6 / 2 7 / 3 8 / 5 10): 8 syncs,
+    of which the one after step 10 lands after step 11; only int4 frames cross the nodes."""
+    for r in run_world(_defaults, NODES, ranks_per_node=1, timeout=100):
+        assert r["config"] == (5, 4, 1, "int4", 0.2, 0.9), r
+        assert r["background"] and (r["started"], r["landed"]) == (8, 7), r
+        assert r["fp32"] == 0 < r["quantized"], r
+        # each of the 8 syncs sends half its fragment's T / 4 elements as int4 codes in the
+        # reduce-scatter and half in the all-gather: T bytes of codes in all (T trainable
+        # elements); the groups of 2048 pad these small halves, so up to 2T; fp32 syncs send 8T
+        assert r["trainable"] <= r["quantized"] <= 2 * r["trainable"], r
+    for sync_every, delay in ((1, 0), (2, 1), (100, 1)):  # None: 1 below H, 0 at H = 1
+        assert OuterConfig(sync_every=sync_every).delay == delay
+    assert OuterConfig(sync_every=1, method="average").fragments == 4
+    with pytest.raises(ValueError, match=r"delay=1"):
+        OuterConfig(sync_every=1, delay=1)
+    from zpp.tune import job
+    from zpp.zero.outer_config import DEFAULT_SYNC_EVERY
+    assert job.MIN_SYNC_EVERY == DEFAULT_SYNC_EVERY == OuterConfig().sync_every
 
 
 def test_delay_auto_config():

@@ -100,7 +100,9 @@ WIN_MARGIN = 1.1
 """The hierarchical mode wins the race only when it reaches the target this many times sooner
 than the reference: a tie goes to the ZeRO mode (see [Note: the loss race])."""
 MIN_SYNC_EVERY = 5
-"""The shortest H the loss race gives the hierarchical mode (see [Note: the loss race])."""
+"""The shortest H the loss race gives the hierarchical mode (see [Note: the loss race]): the
+mode's default H, ``zpp.zero.outer_config.DEFAULT_SYNC_EVERY`` (written out: this module is
+torch-free at import; a test holds them equal)."""
 PROFILE_MODE = "zero3"
 """The profiling run's mode: ZeRO-3 (its gather trace gives every stage 3 candidate's gathers)."""
 DEFAULT_OUT = "zpp_tuned.json"

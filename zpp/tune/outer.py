@@ -17,10 +17,11 @@ faster, must still not stall the steps):
 
 * ``delay`` (tau) = ``ceil(1.25 t / s)``: the inner steps during which the sync runs in the
   background; with fewer, the step that applies it waits for the link;
-* ``sync_every`` (H) = ``max(ceil(1.25 F t / s), tau + 1)``: the link must carry the F
+* ``sync_every`` (H) = ``max(ceil(1.25 F t / s), tau + 1, 5)``: the link must carry the F
   fragments' syncs of one period within the period's compute, and tau < H (the config's
-  rule);
-* link busy = ``F t / (H s)`` at that H (at most 0.8 unless tau + 1 sets H).
+  rule); never below the mode's default H = 5 (shorter H lost loss: zpp/zero/outer_config.py,
+  [Note: the mode's defaults]);
+* link busy = ``F t / (H s)`` at that H (at most 0.8 unless tau + 1 or 5 sets H).
 
 The advice is the variant with the smallest H (ties: less compression); 1bit only when
 allowed. Fewer inner steps between syncs is what keeps the replicas close to synchronous
@@ -39,7 +40,7 @@ from typing import Any
 
 from zpp.tune.cost import all_reduce_link_bytes
 from zpp.zero.checks import check_int, check_number
-from zpp.zero.outer_config import OUTER_COMPRESSIONS
+from zpp.zero.outer_config import DEFAULT_SYNC_EVERY, OUTER_COMPRESSIONS
 
 __all__ = ["OuterAdvice", "OuterOption", "advise", "format_advice", "period", "sync_seconds"]
 
@@ -148,7 +149,7 @@ def advise(rows: Iterable[Mapping[str, Any]], *, params: int, step_s: float, fra
             numel = -(-nbytes // 4)
             sync_s *= (all_reduce_link_bytes(compression, numel, nodes, ranks_per_node, across_nodes=True)
                        / all_reduce_link_bytes(compression, numel, nodes, ranks_per_node, across_nodes=False))
-        delay, every = period(step_s, sync_s, fragments)
+        delay, every = period(step_s, sync_s, fragments, min_sync_every=DEFAULT_SYNC_EVERY)
         options.append(OuterOption(compression, backend, sync_s, delay, every,
                                    fragments * sync_s / (every * step_s), extrapolated))
     if not options:

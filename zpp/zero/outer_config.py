@@ -18,6 +18,17 @@ measured, and neither is H < 5 beyond one case (H = 2 and 3 at lr 0.2 ended wors
 H = 5). It has no term in the number of nodes: at 4 nodes H = 5 with lr 0.2 ended 9.3%
 above DDP on the 0.8M GPT (one seed). The rule is for the default momentum 0.9: with another ``momentum`` set ``lr`` as
 well (lr 1.0 with momentum 0.6 ended 11% above DDP at H = 10).
+
+[Note: the mode's defaults]
+``"outer": {}`` is H = 5, 4 fragments, delay 1, int4 outer gradients and the "diloco" step at
+lr(5) = 0.2: the setting perf/BENCHMARKS.md measured closest to DDP's loss at equal tokens on
+tests/gpt.py's GPTs from 0.2M to 25M parameters over 2 nodes (3 seeds each). DiLoCo's own
+(H = 100, one fragment, fp32, lr 0.7), the defaults before, ended 6.7-8.3% above DDP's held-out
+loss on the 0.8M GPT where these ended 0.5-2.3% above. Shorter H (2, 3) ended worse; int4
+measured the same loss as fp32 and int8 there (held-out, to 0.1%) at 1/8 of fp32's bytes;
+delay 1 hides one step of the link at no measured cost. ``zpp tune`` never advises an H below
+:data:`DEFAULT_SYNC_EVERY`. Where they do not hold (4 nodes, 4x the batch per node) the README's
+hierarchical section says what to set instead.
 """
 from __future__ import annotations
 
@@ -28,10 +39,13 @@ from typing import Any, Literal
 
 from zpp.zero.checks import check_bool, check_choice, check_int, check_number, fail, from_section
 
-__all__ = ["OUTER_COMPRESSIONS", "OUTER_METHODS", "OuterConfig", "outer_lr_rule"]
+__all__ = ["DEFAULT_SYNC_EVERY", "OUTER_COMPRESSIONS", "OUTER_METHODS", "OuterConfig", "outer_lr_rule"]
 
 OUTER_METHODS = ("diloco", "sgd", "average")
 OUTER_COMPRESSIONS = ("none", "int8", "int4", "1bit", "topk")
+
+#: the default H: the shortest that did not lose loss (see [Note: the mode's defaults])
+DEFAULT_SYNC_EVERY = 5
 
 #: (H, lr) at the two measured ends of [Note: the outer lr rule]
 SHORT_H, SHORT_LR = 10, 0.2
@@ -60,8 +74,9 @@ class OuterConfig:
     with momentum (Nesterov by default) on ``delta``, as DiLoCo's outer optimizer; "sgd":
     ``anchor - lr * delta``; "average": ``anchor - delta``, the mean of the nodes' weights
     (Default: "diloco")."""
-    sync_every: int = 100
-    """H: inner optimizer steps between two syncs of each fragment (Default: 100)."""
+    sync_every: int = DEFAULT_SYNC_EVERY
+    """H: inner optimizer steps between two syncs of each fragment (Default: 5, see
+    [Note: the mode's defaults])."""
     lr: float | None = None
     """The outer learning rate; None: for "diloco" :func:`outer_lr_rule` of ``sync_every``
     (0.2 at H <= 10 up to DiLoCo's 0.7 at H >= 100, see [Note: the outer lr rule]), 1.0 for
@@ -71,26 +86,28 @@ class OuterConfig:
     take only None or 0 (Default: None)."""
     nesterov: bool = True
     """"diloco": Nesterov momentum (DiLoCo's), else heavy-ball (Default: True)."""
-    compression: Literal["none", "int8", "int4", "1bit", "topk"] = "none"
+    compression: Literal["none", "int8", "int4", "1bit", "topk"] = "int4"
     """How the pseudo-gradient crosses the nodes: "none": an fp32 all-reduce; "int8" /
     "int4": a group-quantized reduce-scatter, then a quantized all-gather of the mean;
     "1bit": the 1-bit all-reduce with error feedback (:mod:`zpp.comm.onebit`), whose error
     buffers are checkpointed; "topk": in every chunk of 4096 entries the largest 64, as int16
     index + int8 value (one fp32 scale per chunk), with error feedback, all-gathered
     (:class:`~zpp.zero.outer.reduce.SparseMean`)
-    (Default: "none")."""
+    (Default: "int4")."""
     group_size: int = 2048
     """int8 / int4: elements per fp32 scale (Default: 2048)."""
-    fragments: int = 1
+    fragments: int = 4
     """F: each rank's trainable weights cut into this many pieces of equal size, each
     synced once per ``sync_every`` steps on its own staggered schedule, so the inter-node
-    traffic is spread over the steps (Streaming DiLoCo) (Default: 1)."""
-    delay: int | str = 0
+    traffic is spread over the steps (Streaming DiLoCo); at most the trainable elements of a
+    rank's shards (Default: 4)."""
+    delay: int | str | None = None
     """tau: inner steps from the start of a fragment's sync to the application of its outer
     update, during which the sync runs in the background; 0: the step waits for it. Must be
     below ``sync_every``. ``"auto"``: 1 until the first update lands, then the fewest steps
     that cover the slowest sync measured so far (its seconds over the mean inner step's,
-    rounded up, at most ``sync_every - 1``), the same on every rank (Default: 0)."""
+    rounded up, at most ``sync_every - 1``), the same on every rank. None: 1, or 0 when
+    ``sync_every`` is 1 (the object holds the number) (Default: None)."""
     mix: float = 0.5
     """With ``delay`` > 0: when a fragment's update lands, its weights become
     ``mix * local + (1 - mix) * synced`` (Streaming DiLoCo's merge of the tau local steps);
@@ -110,6 +127,8 @@ class OuterConfig:
         if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2:
             raise fail(w, "group_size", g, "a positive even integer")
         check_int(w, "fragments", self.fragments, lo=1)
+        if self.delay is None:  # frozen: the resolved default is stored once, here
+            object.__setattr__(self, "delay", 1 if self.sync_every > 1 else 0)
         if self.delay == "auto":
             if self.sync_every < 2:
                 raise ValueError(f"{w}: delay='auto' needs sync_every >= 2 (a delay below it), got "
