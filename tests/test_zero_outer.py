@@ -531,6 +531,11 @@ def _reduces(t):
     t.counters.reset()
     red(mine.clone())
     out["1bit-bytes"] = t.counters.snapshot()[red.counter].inter_bytes
+    # the error-feedback buffers live on the fragment's device (the engine passes its masters'):
+    # "meta" stands in for a GPU here
+    out["devices"] = {name: sorted({str(b.device) for b in build_outer_reduce(name, inter, n, gs,
+                                                                               device="meta").buffers()})
+                      for name in ("1bit", "topk")}
     return out
 
 
@@ -618,6 +623,7 @@ def test_outer_all_reduce_compressed():
                 assert (inter, intra) == (expect, 0), (key, got["bytes"])
                 assert expect == (NODES - 1) * chunks * (3 * kept + 4), (key, expect)
             assert got["restored"], (rank, key)
+        assert r["devices"] == {"1bit": ["meta"], "topk": ["meta"]}, r["devices"]
         assert r["topk"]["bytes"][0][0] < 0.1 * r["int4"][2]  # 3N/64 of int4's at N = 2 nodes (+ its scales)
 
 

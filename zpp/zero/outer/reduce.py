@@ -84,16 +84,19 @@ class OuterReduce(abc.ABC):
         inter: the ranks of this local rank on every node.
         numel: the size of every vector this object reduces (one fragment of one rank).
         group_size: int8 / int4 quantization group.
+        device: where the vectors (and any error-feedback buffer) live: the fragment's.
     """
 
     name: str = ""
     counter: str = ""
     """The :class:`~zpp.comm.counters.WireCounters` key its traffic is booked under."""
 
-    def __init__(self, inter: Transport, numel: int, group_size: int) -> None:
+    def __init__(self, inter: Transport, numel: int, group_size: int, *,
+                 device: torch.device | str = "cpu") -> None:
         self.inter = inter
         self.numel = numel
         self.group_size = group_size
+        self.device = torch.device(device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Replace ``x`` (``numel`` fp32 elements) by the (approximate) mean over the nodes."""
@@ -138,8 +141,9 @@ class QuantizedMean(OuterReduce):
 
     counter = "quantized_all_reduce"
 
-    def __init__(self, inter: Transport, numel: int, group_size: int, *, bits: int) -> None:
-        super().__init__(inter, numel, group_size)
+    def __init__(self, inter: Transport, numel: int, group_size: int, *, bits: int,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(inter, numel, group_size, device=device)
         self.bits = bits
         self.name = f"int{bits}"
         # one rank per node: the reduce-scatter's first (intra-node) hop is skipped
@@ -155,9 +159,9 @@ class OneBitMean(OuterReduce):
     name = "1bit"
     counter = "onebit_all_reduce"
 
-    def __init__(self, inter: Transport, numel: int, group_size: int) -> None:
-        super().__init__(inter, numel, group_size)
-        self.onebit = OneBitAllReduce(numel, inter) if inter.world_size > 1 else None
+    def __init__(self, inter: Transport, numel: int, group_size: int, *, device: torch.device | str = "cpu") -> None:
+        super().__init__(inter, numel, group_size, device=device)
+        self.onebit = OneBitAllReduce(numel, inter, self.device) if inter.world_size > 1 else None
 
     def _reduce(self, x: torch.Tensor) -> None:
         self.onebit(x)
@@ -211,13 +215,14 @@ class SparseMean(OuterReduce):
     name = "topk"
     counter = "sparse_all_reduce"
 
-    def __init__(self, inter: Transport, numel: int, group_size: int, *, chunk: int = TOPK_CHUNK) -> None:
-        super().__init__(inter, numel, group_size)
+    def __init__(self, inter: Transport, numel: int, group_size: int, *, chunk: int = TOPK_CHUNK,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(inter, numel, group_size, device=device)
         self.chunk, self.chunks, self.kept = sparse_layout(numel, chunk)
         self.k = self.chunks * self.kept  # entries sent per call (the last chunk's padding included)
         # the error buffer padded to whole chunks; the padding stays zero (a padded entry that
         # is kept sends 0 and leaves 0 behind)
-        self._padded = torch.zeros(self.chunks * self.chunk, dtype=torch.float32)
+        self._padded = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=self.device)
         self.error = self._padded[:numel]
         self.frame = sparse_frame_bytes(numel, chunk)
 
@@ -238,7 +243,7 @@ class SparseMean(OuterReduce):
         """``out`` = the sum of the decoded ``frames`` (``W`` frames laid end to end)."""
         n, kept = self.chunks * self.kept, self.kept
         padded = self.chunks * self.chunk != self.numel  # a scratch buffer only for a padded last chunk
-        total = torch.zeros(self.chunks * self.chunk, dtype=torch.float32) if padded else out.zero_()
+        total = torch.zeros(self.chunks * self.chunk, dtype=torch.float32, device=out.device) if padded else out.zero_()
         for f in frames.view(-1, self.frame):
             idx = f[:2 * n].clone().view(torch.int16).long().view(self.chunks, kept)
             codes = f[2 * n:3 * n].clone().view(torch.int8).float().view(self.chunks, kept)
@@ -251,7 +256,7 @@ class SparseMean(OuterReduce):
         t = self.inter
         with t.counters.collective(self.counter, 4 * self.numel):
             mine = self.encode(x)
-            frames = torch.empty(t.world_size * self.frame, dtype=torch.uint8)
+            frames = torch.empty(t.world_size * self.frame, dtype=torch.uint8, device=mine.device)
             t.all_gather(frames, mine)
             self.decode_sum(frames, x)
             x.div_(t.world_size)
@@ -271,21 +276,23 @@ class SparseMean(OuterReduce):
         return [self._padded]
 
 
-#: ``zpp.outer.compression`` -> factory(inter, numel, group_size)
-OUTER_REDUCES: dict[str, Callable[[Transport, int, int], OuterReduce]] = {
+#: ``zpp.outer.compression`` -> factory(inter, numel, group_size, *, device)
+OUTER_REDUCES: dict[str, Callable[..., OuterReduce]] = {
     "none": PlainMean,
-    "int8": lambda inter, numel, gs: QuantizedMean(inter, numel, gs, bits=8),
-    "int4": lambda inter, numel, gs: QuantizedMean(inter, numel, gs, bits=4),
+    "int8": lambda inter, numel, gs, **kw: QuantizedMean(inter, numel, gs, bits=8, **kw),
+    "int4": lambda inter, numel, gs, **kw: QuantizedMean(inter, numel, gs, bits=4, **kw),
     "1bit": OneBitMean,
     "topk": SparseMean,
 }
 
 
-def build_outer_reduce(name: str, inter: Transport, numel: int, group_size: int) -> OuterReduce:
-    """The outer all-reduce ``name`` for vectors of ``numel`` elements; ValueError if unknown."""
+def build_outer_reduce(name: str, inter: Transport, numel: int, group_size: int, *,
+                       device: torch.device | str = "cpu") -> OuterReduce:
+    """The outer all-reduce ``name`` for vectors of ``numel`` elements on ``device``;
+    ValueError if unknown."""
     try:
         factory = OUTER_REDUCES[name]
     except KeyError:
         raise ValueError(f"zpp.outer.compression={name!r} is not an outer all-reduce; choices: "
                          f"{sorted(OUTER_REDUCES)}") from None
-    return factory(inter, numel, group_size)
+    return factory(inter, numel, group_size, device=device)

@@ -137,7 +137,8 @@ class OuterSync:
         self.anchors = [u.flat.master.detach().clone() for u in self.units]
         self.momenta = [torch.zeros_like(a) for a in self.anchors] if self.momentum else None
         self.reducers: list[OuterReduce] = [
-            build_outer_reduce(config.compression, inter, f.numel, config.group_size) for f in self.fragments]
+            build_outer_reduce(config.compression, inter, f.numel, config.group_size, device=self.anchors[0].device)
+            for f in self.fragments]
         self.position = 0
         self.stats = OuterStats()
         self._slot = {id(u): i for i, u in enumerate(self.units)}
