@@ -94,7 +94,7 @@ def test_onebit_by_hand():
 
 
 def test_outer_by_hand():
-    # 2 nodes x 2, H = 10, 4 fragments, int4: inner steps stay inside the node; a fragment of this
+    # 2 nodes x 2, H = 5 (the mode's default), 4 fragments, int4: inner steps stay inside the node; a fragment of this
     # rank's 1/R shard is 8192 / 2 / 4 = 1024 elements, reduced in int4 across the 2 nodes (hop 2
     # only: one rank per node in the nodes' group) and gathered back in int4
     psi = 8192
@@ -103,7 +103,8 @@ def test_outer_by_hand():
     g = cost._group(2048, frag // 2)
     per_sync = (frag * 4 // 8) // 2 + (frag // g * 4) // 2  # hop-2 all-to-all: codes + scales
     per_sync += (frag // 2) * 4 // 8 + 4 * math.ceil((frag // 2) / g)  # all-gather of my half
-    assert t.inter_bytes == pytest.approx(4 * per_sync / 10)
+    assert MODES["outer-int4"].outer.sync_every == 5
+    assert t.inter_bytes == pytest.approx(4 * per_sync / 5)
     inner = cost.traffic(MODES["zero2"], [UnitShape(psi)], Cluster(1, 2, LINKS["loopback"], LINKS["100mbit"]))
     assert t.intra_bytes == pytest.approx(inner.intra_bytes)
 

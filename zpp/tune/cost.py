@@ -135,9 +135,10 @@ class Cluster:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OuterSpec:
-    """The hierarchical mode's outer sync (``zpp.outer``): H, fragments, compression."""
+    """The hierarchical mode's outer sync (``zpp.outer``): H, fragments, compression; the
+    defaults are the mode's (zpp/zero/outer_config.py, [Note: the mode's defaults])."""
 
-    sync_every: int = 10
+    sync_every: int = 5
     fragments: int = 4
     compression: str = "int4"
     delay: int = 1
