@@ -757,8 +757,13 @@ def _auto_delay(t, tmp, slow_s):
     real = sync_mod.OuterSync._timed
 
     def slow(self, reducer, delta):
-        time.sleep(slow_s * (1 + self.world.rank))  # the ranks measure differently: they must agree
-        return real(self, reducer, delta)
+        # the wait sits inside the timed call: nothing syncs the two nodes before their first outer
+        # sync, so a wait outside it could cancel against their skew (it did once, under load) and
+        # leave every rank measuring ~0; the ranks measure differently and must agree
+        def held(d):
+            time.sleep(slow_s * (1 + self.world.rank))
+            return reducer(d)
+        return real(self, held, delta)
     sync_mod.OuterSync._timed = slow
     outer = {"sync_every": 4, "fragments": 2, "delay": "auto", "compression": "none"}
     batches = _batches("gpt", t.rank, 10)
