@@ -142,10 +142,11 @@ def _rank_main(t, args):
 
 def table(paths: list[str]) -> str:
     """A markdown table of the study JSONs at ``paths``: per size, seed and setting the
-    equal-token loss over DDP's, the steps to DDP's final loss, the link bytes over DDP's
+    equal-token loss over DDP's (training window, and held-out where taken), the steps to DDP's final loss, the link bytes over DDP's
     and the estimated 10 Mbit speed-up (:func:`time_at_link`)."""
-    lines = ["| size (params) | seed | setting | DDP loss @400 | loss / DDP's | steps to DDP's loss | "
-             "link bytes / DDP's | 10 Mbit: DDP's time / this (est.) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| size (params) | seed | setting | DDP's loss (training window) | loss / DDP's | held-out / DDP's | "
+             "steps to DDP's loss | link bytes / DDP's | 10 Mbit: DDP's time / this (est.) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
         with open(path) as f:
             rows = json.load(f)["rows"]
@@ -155,8 +156,10 @@ def table(paths: list[str]) -> str:
                 continue
             d = ddp[(r["size"], r["seed"])]
             est = r.get("at_10mbit", {}).get("ddp_over_this")
+            held = r.get("eval_over_ddp")
             lines.append(f"| {r['size']} ({r['params']:,}) | {r['seed']} | {r['setting']} | {d['final_loss']:.4f} | "
-                         f"{r['final_over_ddp']:.4f} | {r.get('steps_to_target') or '> %d' % r['steps']} | "
+                         f"{r['final_over_ddp']:.4f} | {'-' if held is None else format(held, '.4f')} | "
+                         f"{r.get('steps_to_target') or '> %d' % r['steps']} | "
                          f"1/{d['inter_bytes'] / r['inter_bytes']:.0f} | {'-' if est is None else format(est, '.0f')} |")
     return "\n".join(lines)
 

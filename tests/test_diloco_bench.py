@@ -141,3 +141,21 @@ def test_the_held_out_loss_is_of_text_never_trained_on(bench):
     g = torch.Generator().manual_seed(bench.EVAL_SEED)
     expect = sum(float(held.batch(2, 8, g)[1].float().mean()) for _ in range(3)) / 3
     assert first == expect
+
+
+def test_study_table_has_both_ratios(tmp_path):
+    """perf/diloco_study.py --table: one line per run beside its DDP, the held-out ratio where
+    the run took it, '> steps' where it never reached DDP's loss."""
+    with perf_module("diloco_study") as study:
+        ddp = {"variant": "ddp", "size": "4x64", "seed": 1, "params": 212352, "final_loss": 2.5, "inter_bytes": 4000.0}
+        held = {"variant": "diloco", "size": "4x64", "seed": 1, "params": 212352, "setting": "defaults", "steps": 600,
+                "final_over_ddp": 1.0156, "eval_over_ddp": 1.0114, "steps_to_target": 432, "inter_bytes": 100.0,
+                "at_10mbit": {"ddp_over_this": 24.5}}
+        old = {**held, "setting": "old", "steps_to_target": None, "at_10mbit": {}}
+        del old["eval_over_ddp"]
+        path = tmp_path / "s.json"
+        path.write_text(json.dumps({"rows": [ddp, held, old]}))
+        lines = study.table([str(path)]).splitlines()
+    assert len(lines) == 4 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 10
+    assert lines[2] == "| 4x64 (212,352) | 1 | defaults | 2.5000 | 1.0156 | 1.0114 | 432 | 1/40 | 24 |"
+    assert lines[3] == "| 4x64 (212,352) | 1 | old | 2.5000 | 1.0156 | - | > 600 | 1/40 | - |"
