@@ -21,14 +21,15 @@ well (lr 1.0 with momentum 0.6 ended 11% above DDP at H = 10).
 
 [Note: the mode's defaults]
 ``"outer": {}`` is H = 5, 4 fragments, delay 1, int4 outer gradients and the "diloco" step at
-lr(5) = 0.2: the setting perf/BENCHMARKS.md measured closest to DDP's loss at equal tokens on
-tests/gpt.py's GPTs from 0.2M to 25M parameters over 2 nodes (3 seeds each). DiLoCo's own
-(H = 100, one fragment, fp32, lr 0.7), the defaults before, ended 6.7-8.3% above DDP's held-out
-loss on the 0.8M GPT where these ended 0.5-2.3% above. Shorter H (2, 3) ended worse; int4
-measured the same loss as fp32 and int8 there (held-out, to 0.1%) at 1/8 of fp32's bytes;
-delay 1 hides one step of the link at no measured cost. ``zpp tune`` never advises an H below
-:data:`DEFAULT_SYNC_EVERY`. Where they do not hold (4 nodes, 4x the batch per node) the README's
-hierarchical section says what to set instead.
+lr(5) = 0.2: of the outer settings perf/BENCHMARKS.md tried on tests/gpt.py's GPTs, the one
+closest to DDP's loss at equal tokens. DiLoCo's own (H = 100, one fragment, fp32, lr 0.7), the
+defaults before, ended 6.7-8.3% above DDP's held-out loss on the 0.8M GPT where these ended
+0.5-2.3% above. Shorter H (2, 3) ended worse; int4 measured the same loss as fp32 and int8
+(held-out, to 0.1%) at 1/8 of fp32's bytes; delay 1 hides one step of the link at no measured
+cost. On 2 nodes they stay within 2% of DDP's held-out loss on the 0.2M GPT and on two of three
+seeds of the 0.8M one, and end up to 7% above it on the 1.6M-25M GPTs and at 4 nodes ("The
+mode's defaults become the measured setting"); the README's hierarchical section says where,
+and what to set instead. ``zpp tune`` never advises an H below :data:`DEFAULT_SYNC_EVERY`.
 """
 from __future__ import annotations
 
