@@ -247,8 +247,8 @@ def _run(t, name, seed, args, data, held=None) -> dict:
             s = engine.outer.stats
             c = engine.outer.config  # the settings in force, the mode's defaults filled in
             row["outer"] = {**_outer(args), **dataclasses.asdict(c), "outer_lr": c.outer_lr,
-                            "outer_momentum": c.outer_momentum, "started": s.started, "landed": s.landed, "wait_s": s.wait_s,
-                            "chosen_delay": s.chosen_delay,
+                            "outer_momentum": c.outer_momentum, "started": s.started, "landed": s.landed,
+                            "wait_s": s.wait_s, "chosen_delay": s.chosen_delay,
                             "state_bytes": engine.model_state_bytes().get("outer")}
         engine.close()
     else:

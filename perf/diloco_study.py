@@ -142,8 +142,9 @@ def _rank_main(t, args):
 
 def table(paths: list[str]) -> str:
     """A markdown table of the study JSONs at ``paths``: per size, seed and setting the
-    equal-token loss over DDP's (training window, and held-out where taken), the steps to DDP's final loss, the link bytes over DDP's
-    and the estimated 10 Mbit speed-up (:func:`time_at_link`)."""
+    equal-token loss over DDP's (training window, and held-out where taken), the steps to
+    DDP's final loss, the link bytes over DDP's and the estimated 10 Mbit speed-up
+    (:func:`time_at_link`)."""
     lines = ["| size (params) | seed | setting | DDP's loss (training window) | loss / DDP's | held-out / DDP's | "
              "steps to DDP's loss | link bytes / DDP's | 10 Mbit: DDP's time / this (est.) |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -94,9 +94,10 @@ def test_onebit_by_hand():
 
 
 def test_outer_by_hand():
-    # 2 nodes x 2, H = 5 (the mode's default), 4 fragments, int4: inner steps stay inside the node; a fragment of this
-    # rank's 1/R shard is 8192 / 2 / 4 = 1024 elements, reduced in int4 across the 2 nodes (hop 2
-    # only: one rank per node in the nodes' group) and gathered back in int4
+    # 2 nodes x 2, H = 5 (the mode's default), 4 fragments, int4: inner steps stay inside the
+    # node; a fragment of this rank's 1/R shard is 8192 / 2 / 4 = 1024 elements, reduced in int4
+    # across the 2 nodes (hop 2 only: one rank per node in the nodes' group) and gathered back
+    # in int4
     psi = 8192
     t = cost.traffic(MODES["outer-int4"], [UnitShape(psi)], C22)
     frag = psi // 2 // 4
