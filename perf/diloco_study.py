@@ -20,8 +20,9 @@ the batches.
 
 The losses do not depend on the link (the outer updates land at fixed steps), so the study
 runs unshaped. Rank 0 prints one line per run and rewrites ``--json`` after each, so an
-interrupted study keeps what it finished. ``step_s`` is this machine's unshaped step; the
-time to DDP's loss at a link rate is estimated from it (see :func:`time_at_link`).
+interrupted study keeps what it finished; ``--table JSON... --png PNG`` prints and plots
+earlier runs. ``step_s`` is this machine's unshaped step; the time to DDP's loss at a link
+rate is estimated from it (see :func:`time_at_link`).
 """
 from __future__ import annotations
 
@@ -165,6 +166,50 @@ def table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot(paths: list[str], png: str) -> None:
+    """The study JSONs at ``paths`` as a picture: per run, the held-out loss over DDP's (the
+    training window's where no held-out loss was taken) against the model's parameters, one
+    colour per setting and world, with DDP's loss and the issue's 2% marked; and the estimated
+    10 Mbit speed-up against DDP where the run reached DDP's loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours: dict[str, str] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        world = f"{run['args']['world'] // run['args']['ranks_per_node']}x{run['args']['ranks_per_node']}"
+        for r in run["rows"]:
+            if r["variant"] == "ddp":
+                continue
+            h = r.get("outer", {}).get("sync_every")
+            key = f"{r['setting']}{'' if h is None else f' H={h}'} ({world}, batch {run['args']['batch']})"
+            colour = colours.setdefault(key, f"C{len(colours) % 10}")
+            ratio = r.get("eval_over_ddp", r["final_over_ddp"])
+            loss_ax.scatter(r["params"], ratio, color=colour, label=key, s=18)
+            speed = r.get("at_10mbit", {}).get("ddp_over_this")
+            if speed is not None:
+                time_ax.scatter(r["params"], speed, color=colour, label=key, s=18)
+    for ax in (loss_ax, time_ax):
+        ax.set_xscale("log")
+        ax.set_xlabel("model parameters")
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))  # one legend entry per setting
+        ax.legend(unique.values(), unique.keys(), fontsize=7)
+    loss_ax.axhline(1.0, color="grey", linewidth=0.8)
+    loss_ax.axhline(1.02, color="grey", linewidth=0.8, linestyle="--")
+    loss_ax.set_ylabel("loss / DDP's at equal tokens (held-out where taken)")
+    time_ax.axhline(10.0, color="grey", linewidth=0.8, linestyle="--")
+    time_ax.set_yscale("log")
+    time_ax.set_ylabel("10 Mbit: DDP's time to its loss / this (est.)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     trainlib.add_model_args(p, n_layer=4, n_embd=64, block=64, batch=8, steps=400, warmup=0)
@@ -180,6 +225,7 @@ def parser():
                         "compared too; 0: none")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="only print a markdown table of earlier runs")
+    p.add_argument("--png", default=None, help="with --table: also plot those runs into this PNG")
     p.add_argument("--extra-steps", type=int, default=200,
                    help="steps the hierarchical runs train beyond DDP's (to reach DDP's final loss)")
     diloco_bench.add_schedule_args(p)  # a decaying schedule ends at --steps for every run
@@ -189,8 +235,12 @@ def parser():
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
+    if args.png and not args.table:
+        p.error("--png plots the JSONs given with --table")
     if args.table:
         print(table(args.table))
+        if args.png:
+            plot(args.table, args.png)
         return
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]

@@ -159,3 +159,19 @@ def test_study_table_has_both_ratios(tmp_path):
     assert len(lines) == 4 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 10
     assert lines[2] == "| 4x64 (212,352) | 1 | defaults | 2.5000 | 1.0156 | 1.0114 | 432 | 1/40 | 24 |"
     assert lines[3] == "| 4x64 (212,352) | 1 | old | 2.5000 | 1.0156 | - | > 600 | 1/40 | - |"
+
+
+def test_study_plot(tmp_path):
+    """perf/diloco_study.py --table JSON --png PNG: the runs' ratios and 10 Mbit speed-ups
+    drawn into a PNG; --png alone is refused (there is nothing to plot)."""
+    with perf_module("diloco_study") as study:
+        ddp = {"variant": "ddp", "size": "4x64", "seed": 1, "params": 212352, "final_loss": 2.5, "inter_bytes": 4000.0}
+        run = {"variant": "diloco", "size": "4x64", "seed": 1, "params": 212352, "setting": "defaults", "steps": 600,
+               "final_over_ddp": 1.0156, "eval_over_ddp": 1.0114, "steps_to_target": 432, "inter_bytes": 100.0,
+               "at_10mbit": {"ddp_over_this": 24.5}, "outer": {"sync_every": 5}}
+        path, png = tmp_path / "s.json", tmp_path / "s.png"
+        path.write_text(json.dumps({"args": {"world": 2, "ranks_per_node": 1, "batch": 8}, "rows": [ddp, run]}))
+        study.main(["--table", str(path), "--png", str(png)])
+        with pytest.raises(SystemExit):
+            study.main(["--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
