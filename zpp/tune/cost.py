@@ -100,6 +100,7 @@ from zpp.quant.types import quantized_nbytes
 from zpp.tune.links import LINKS, Link
 from zpp.zero.checks import check_int, check_number
 from zpp.zero.config import DEFAULT_GRADIENT_GROUP_SIZE, DEFAULT_PREFETCH_BUCKET_SIZE, DEFAULT_WEIGHT_GROUP_SIZE
+from zpp.zero.outer_config import DEFAULT_SYNC_EVERY
 from zpp.zero.shard import SHARD_ALIGN
 
 __all__ = [
@@ -138,7 +139,7 @@ class OuterSpec:
     """The hierarchical mode's outer sync (``zpp.outer``): H, fragments, compression; the
     defaults are the mode's (zpp/zero/outer_config.py, [Note: the mode's defaults])."""
 
-    sync_every: int = 5
+    sync_every: int = DEFAULT_SYNC_EVERY
     fragments: int = 4
     compression: str = "int4"
     delay: int = 1
