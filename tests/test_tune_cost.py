@@ -189,21 +189,22 @@ def test_which_calls_run_beside_the_backward():
 def test_zeropp_with_weight_deltas_by_hand():
     inter, intra, _ = _bytes("zero3-zeropp-delta4", [UnitShape(8192)])
     pp_inter, pp_intra, _ = _bytes("zero3-zeropp", [UnitShape(8192)])
-    # the forward's world gather: int4 codes of the differences (1024 B + one scale per rank)
-    # instead of qwZ's int8 codes (2048 B + one scale), in the same two hops; and the node's
-    # old copy, 8192 / 2 fp32 elements, to the local peer
+    # the forward's first gather: int4 codes of the differences (1024 B + one scale per rank)
+    # to the other node's counterpart, instead of qwZ's int8 codes (2048 B + one scale) over
+    # two hops; inside the node no codes, but the updated copy, 8192 / 2 fp32 elements, to the
+    # local peer
     q8, q4 = 2048 + 4, 1024 + 4
     assert inter == pp_inter - q8 + q4
-    assert intra == pp_intra - 2 * q8 + 2 * q4 + 4096 * 4
+    assert intra == pp_intra - 2 * q8 + 4096 * 4
     assert MODES["zero3-zeropp-delta4"].config(2)["zpp"] == {"weight_delta_bits": 4}
     assert "zpp" not in MODES["zero3-zeropp-delta4"].config(1)  # one rank per node: no node copy, ZeRO++
     m = cost.memory(MODES["zero3-zeropp-delta4"], [UnitShape(8192)], C22)
     pp = cost.memory(MODES["zero3-zeropp"], [UnitShape(8192)], C22)
-    # at rest the secondary (1/R of the unit) and the copy of the own shard (1/W) stay
-    assert m["rest"] - pp["rest"] == 4 * 8192 // 2 + 4 * 2048
-    # in a step the refreshes' fp32 differences of the units in flight on top (the unit and
-    # one prefetched: memory()'s default)
-    assert m["peak"] - pp["peak"] == 4 * 2048 + 4 * 2 * 8192
+    # at rest the secondary (1/R of the unit) stays
+    assert m["rest"] - pp["rest"] == 4 * 8192 // 2
+    # in a step the refreshes' fp32 differences of their secondaries (1/R of a unit) for the
+    # units in flight on top (the unit and one prefetched: memory()'s default)
+    assert m["peak"] - pp["peak"] == 4 * 2 * 8192 // 2
 
 
 def test_memory_by_hand():

@@ -159,6 +159,14 @@ def test_forward_weights_are_the_simulated_copies_and_bytes_are_int4(precision):
     for s in r["inter"]:
         assert s.get("all_gather", (0, 0))[0] == 0, s  # the backward's gathers cross no node link
         assert s.get("all_gather", (0, 0))[1] > 0, s
+    # a refresh sends no codes inside the node: only the inter-node hop carries differences,
+    # and the node's gathers carry the updated copies (the forward's refresh and the backward's
+    # gather: each rank's secondary, 1/2 of a unit, to its one local peer)
+    size = 2 if precision == "bf16" else 4
+    copies = sum(shard_numel * 4 // 2 * size for shard_numel, _ in r["units"])
+    for s in r["inter"][1:]:
+        assert s["quantized_all_gather"][1] == 0, s
+        assert s["all_gather"][1] == 2 * copies, (s, copies)
 
 
 def _short_losses(t, delta_bits, switches):

@@ -474,11 +474,12 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                         book.all_gather(what, param_bytes * p // book.R, "intra")
                 book.repeat = world
                 if world and mode.weight_delta_bits is not None and mode.hpz and book.R > 1:
-                    # a step's first gather refreshes the node's copy: its old secondary shards
-                    # inside the node, the shards' differences' codes over the world (steady
-                    # state: the unit's very first gather went over the world as qwZ's)
+                    # a step's first gather refreshes the node's copy: the shards' differences'
+                    # codes over the inter-node group, then the updated secondary shards inside
+                    # the node (steady state: the unit's very first gather went over the world
+                    # as qwZ's)
+                    _quantized_all_gather(book, what, s, mode.weight_delta_bits, mode.weight_group_size, "inter")
                     book.all_gather(what, param_bytes * p // book.R, "intra")
-                    _quantized_all_gather(book, what, s, mode.weight_delta_bits, mode.weight_group_size, hier=hier)
                 elif world and phase == "forward" and mode.weight_bits is not None:
                     _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size, hier=hier)
                 elif world:
@@ -713,11 +714,11 @@ def memory(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_by
         live += param_bytes * -(-live_elems // W)  # a gathered unit's shard, until its gather is done
         grads = 4 * u  # one reduced gradient shard: being added up, or read ahead of its update
     if secondary and mode.weight_delta_bits is not None:
-        # the node's copy stays between steps, with the copy of this rank's own shard; a
-        # refresh holds its unit's differences in fp32 until they are added: every unit in flight
-        params += secondary + param_bytes * shard
+        # the node's copy stays between steps; a refresh holds its slice's differences in fp32
+        # until they are added: every unit in flight
+        params += secondary
         secondary = 0
-        live += 4 * live_elems
+        live += 4 * -(-live_elems // R)
     outer = 8 * -(-psi // R) if mode.outer is not None else 0
     if mode.onebit:  # fused fp32 copies of parameters and gradients, moments, two error buffers
         optim = 4 * psi * 5

@@ -8,8 +8,9 @@ name        what crosses the wire                    file
 (hpZ)       wraps either: later gathers stay in      :mod:`~zpp.zero.gather.hpz`
             the node until the optimizer step
 (hpZ delta) after a step, quantized differences      :mod:`~zpp.zero.gather.delta`
-            refresh the node's copy (int4: half
-            of qwZ's int8 bytes)
+            refresh the node's copy over the
+            inter-node hop only (int4: half of
+            qwZ's int8 bytes)
 ==========  =======================================  =============================
 
 Without sharded parameters the only gather is :attr:`Phase.EXACT`'s ``plain``, which
@@ -77,7 +78,8 @@ def build_gathers(comms: Comms, policy: ShardingPolicy) -> dict[Phase, WeightGat
     backward = plain
     # zpp.weight_delta_bits without hpZ is refused by TrainConfig before an engine exists
     if policy.secondary_degree > 1:  # one store: see [Note: the secondary shard belongs to hpZ]
-        store = Secondaries(comms.topology)
-        wrap = SecondaryGather if comms.config.zpp.weight_delta_bits is None else DeltaSecondaryGather
+        delta = comms.config.zpp.weight_delta_bits is not None
+        store = Secondaries(comms.topology, counterparts=delta)
+        wrap = DeltaSecondaryGather if delta else SecondaryGather
         forward, backward = wrap(comms, forward, store), wrap(comms, backward, store)
     return {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.EXACT: plain}

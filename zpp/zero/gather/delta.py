@@ -13,23 +13,26 @@ codes of the weights themselves (tests/test_zero_weight_delta.py: 0.47-0.59x at 
 in bf16 the copy's own rounding bounds both), for half their bytes.
 
 [Note: the delta refresh]
-Each rank holds (1) its hpZ secondary slice, ``1/k`` of the unit's full buffer (``k`` =
-ranks per node), as every rank that holds it agrees, and (2) ``own``: its primary shard's
-range as the copies hold it (a slice of another rank's secondary in general). At a refresh
-every rank quantizes ``compute_shard - own`` and all-gathers the codes over the world (two
-hops where the topology is built, as qwZ); each rank adds the dequantized differences of its
-secondary's range to the secondary and of its own range to ``own``, with the same fp32
-addition and cast, so every copy of an entry holds the same bits. The full buffer is the
-node's all-gather of the secondaries as they were, started beside the differences' gather,
-plus the differences (the same addition). A unit's first gather, and the
-first after its weights were replaced from outside training (a checkpoint load,
-``GatheredParameters``), goes over the world through the wrapped gather (qwZ or plain) and
-starts the copies from what it delivered.
+The copies are held in the counterparts layout ([Note: which entries a secondary shard
+holds]): local rank ``l`` of every node holds the primary shards of the ranks with local
+rank ``l``, its own among them, so the copy of an entry is held by exactly one rank per
+node, and those ranks are one ``topology.inter`` group. At a refresh every rank quantizes
+``compute_shard - own`` (``own``: its primary range in its slice, as every copy holds it)
+and all-gathers the codes over its inter-node group only; each rank dequantizes the
+``nodes`` differences it receives, adds them to its slice with one fp32 addition and cast
+(every copy of an entry sees the same old value and the same difference: the copies agree
+bit for bit), and the node's all-gather of the updated slices fills the full buffer. So the
+node link carries the int4 differences once, as the first hop of a two-hop gather would,
+nothing quantized crosses inside the node, and each rank dequantizes and adds ``numel / k``
+entries, not ``numel``. The hops run one after the other: the node's gather waits for the
+additions. A unit's first gather, and the first after its weights were replaced from outside
+training (a checkpoint load, ``GatheredParameters``), goes over the world through the wrapped
+gather (qwZ or plain) and starts the copies from what it delivered.
 
-Memory: the secondary slice and ``own`` stay between steps (``numel / k + numel / world``
-elements per unit, in the parameters' dtype), where plain hpZ frees the slice at the step;
-a refresh in flight holds the unit's differences in fp32 (``numel`` elements) until it is
-waited. Forward and backward of a step see the same weights (the refreshed copy).
+Memory: the secondary slice stays between steps (``numel / k`` elements per unit, in the
+parameters' dtype), where plain hpZ frees it at the step; a refresh in flight holds its
+slice's differences in fp32 (``numel / k`` elements) until it is waited. Forward and backward
+of a step see the same weights (the refreshed copy).
 
 The copies are not in a checkpoint: after ``load_checkpoint`` every unit starts again from
 a world gather, so a resumed run's forward weights (within the quantization error) are not
@@ -48,7 +51,6 @@ from zpp.comm.collectives import quantized_all_gather_async
 from zpp.comm.transport import Work
 from zpp.zero.comm_api import Comms, WeightGather
 from zpp.zero.gather.hpz import Secondaries, SecondaryGather, SecondaryState
-from zpp.zero.gather.plain import two_hop_topology
 
 if TYPE_CHECKING:
     from zpp.zero.shard import FlatShard
@@ -57,15 +59,19 @@ if TYPE_CHECKING:
 class DeltaSecondaryGather(SecondaryGather):
     """hpZ whose secondary copies survive the optimizer step and are refreshed by quantized
     differences (see [Note: the delta refresh]); ``inner`` fills a unit's copies the first
-    time. ``bits``: the code width of the differences (``zpp.weight_delta_bits``);
+    time. ``secondaries``: the store shared with the engine's other delta gather, in the
+    counterparts layout (Default: a new one). ``bits``: the code width of the differences (``zpp.weight_delta_bits``);
     ``group_size``: entries per fp32 scale (``zpp.weight_group_size``, capped at the shard)."""
 
     name = "hpz-delta"
 
     def __init__(self, comms: Comms, inner: WeightGather, secondaries: Secondaries | None = None) -> None:
+        if secondaries is None and comms.topology is not None:
+            secondaries = Secondaries(comms.topology, counterparts=True)
         super().__init__(comms, inner, secondaries)
-        self.world = comms.world
-        self.two_hop = two_hop_topology(comms)
+        if self.topology.nodes > 1 and not self.secondaries.counterparts:
+            raise ValueError("DeltaSecondaryGather: its secondary shards must be held in the counterparts layout "
+                             "(Secondaries(topology, counterparts=True))")
         self.bits = comms.config.zpp.weight_delta_bits
         if self.bits is None:
             raise ValueError("DeltaSecondaryGather: zpp.weight_delta_bits is not set")
@@ -80,47 +86,35 @@ class DeltaSecondaryGather(SecondaryGather):
             if state is SecondaryState.ABSENT:
                 self.world_gathers += 1
             return super().start(flat, full)
-        secondary, own = self.secondaries.held(flat), self.secondaries.own[id(flat)]
+        secondary = self.secondaries.held(flat)
+        own = self.secondaries.own(secondary)
         generation = self.secondaries.generation(flat)
         shard = flat.compute_shard()
-        # the node's copy as it was fills the full buffer beside the differences' gather
-        # (it does not wait for them); the differences are added when both are in
-        old = self.topology.intra.all_gather_async(full, secondary)
-        deltas = torch.empty(flat.layout.padded_numel, dtype=torch.float32, device=shard.device)
-        work = quantized_all_gather_async(deltas, shard.float() - own.float(), transport=self.world, bits=self.bits,
-                                          group_size=self.group_size,
-                                          topology=self.two_hop)
+        deltas = torch.empty(secondary.numel(), dtype=torch.float32, device=shard.device)
+        work = quantized_all_gather_async(deltas, shard.float() - own.float(), transport=self.topology.inter,
+                                          bits=self.bits, group_size=self.group_size)
         self.refreshes += 1
 
         def refresh() -> None:
             # applied when the work is waited, even by a unit that then throws the gather away
             # (Unit.drop_started): every rank's copies move together
-            old.wait()
             work.wait()
             # one fp32 addition and cast for every copy of an entry: the copies agree bit for bit
-            if full.dtype == torch.float32:
-                full.add_(deltas)
+            if secondary.dtype == torch.float32:
+                secondary.add_(deltas)
             else:  # the same fp32 sum (addition commutes), in the differences' buffer
-                full.copy_(deltas.add_(full))
-            secondary.copy_(full[self.secondaries.bounds(flat)])
-            own.copy_(full[flat.layout.owned(flat.rank)])
+                secondary.copy_(deltas.add_(secondary))
             if self.secondaries.generation(flat) == generation:  # else the weights changed since: still stale
                 self.secondaries.refreshed(flat)
-        return Work("hpz_delta_gather", refresh, asynchronous=work.asynchronous or old.asynchronous)
-
-    def finish(self, flat: FlatShard, full: torch.Tensor) -> None:
-        first = self.secondaries.state(flat) is SecondaryState.ABSENT
-        super().finish(flat, full)  # (nothing left to do after a refresh: the copy is valid again)
-        if first:  # the copies start from what the world gather delivered
-            self.secondaries.own[id(flat)] = full[flat.layout.owned(flat.rank)].clone()
+            self.secondaries.gather_async(full, secondary).wait()
+        return Work("hpz_delta_gather", refresh, asynchronous=work.asynchronous)
 
     def outdated(self, flat: FlatShard) -> None:
         self.secondaries.mark_stale(flat)  # (kept, with ``own`` from the same gather: the next one refreshes it)
 
     def kept(self, flat: FlatShard) -> list[torch.Tensor]:
         held = self.secondaries.held(flat)
-        own = self.secondaries.own.get(id(flat))
-        return [t for t in (held, own) if t is not None]
+        return [] if held is None else [held]
 
     def weights_changed(self, flat: FlatShard | None = None, *, replaced: bool = False) -> None:
         if replaced:

@@ -15,6 +15,18 @@ engine, which the forward and the backward gathers share (the forward gather lea
 slice, the backward one reads it). Nothing else reads or invalidates them: the engine and
 the units say only that the weights changed (``UnitComms.weights_changed``), which every
 gather hears.
+
+[Note: which entries a secondary shard holds]
+Two layouts, chosen once per store. Contiguous (plain hpZ): local rank ``l`` holds the
+``l``-th of ``k`` equal ranges of the full buffer, and the node's all-gather of the slices
+is the full buffer as it lands. Counterparts (the delta refresh's, ``counterparts=True``):
+local rank ``l`` holds the primary shards of its counterparts, the ranks ``m * k + l`` with
+its local rank on every node ``m`` (node order), which is exactly what the first hop of a
+two-hop gather brings it over ``topology.inter``; so a change of the weights reaches every
+copy of an entry by that hop alone, and every rank's own primary range is a piece of its own
+slice. The node's all-gather of such slices arrives as ``(local rank, node, shard)`` blocks,
+and one copy puts them in rank order. Both hold ``numel / k`` entries; with one node they
+are the same.
 """
 from __future__ import annotations
 
@@ -48,12 +60,12 @@ class SecondaryState(enum.Enum):
 class Secondaries:
     """The secondary shards of an engine's units (see [Note: the secondary shard belongs to hpZ])."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, *, counterparts: bool = False) -> None:
         self.topology = topology
+        #: the slice's layout (see [Note: which entries a secondary shard holds])
+        self.counterparts = counterparts and topology.nodes > 1
         self._held: dict[int, tuple[FlatShard, torch.Tensor]] = {}  # id(flat) -> (flat, its slice)
         self._stale: set[int] = set()  # ids of held slices whose weights changed since
-        #: id(flat) -> this rank's own shard as every rank's copies hold it (the delta gather's)
-        self.own: dict[int, torch.Tensor] = {}
         self._changes_all = 0  # changes of every unit's weights
         self._changes: dict[int, int] = {}  # id(flat) -> changes of that unit's alone
 
@@ -83,16 +95,46 @@ class Secondaries:
             return SecondaryState.ABSENT
         return SecondaryState.STALE if id(flat) in self._stale else SecondaryState.VALID
 
-    def bounds(self, flat: FlatShard) -> slice:
-        """The range of the full buffer this rank's secondary slice covers."""
+    def _grid(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` as ``(nodes, ranks per node, shard)``: entry ``[m, l]`` is the primary shard
+        of rank ``m * k + l`` (ranks are node-major)."""
+        t = self.topology
+        return full.view(t.nodes, t.ranks_per_node, -1)
+
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's secondary entries of ``full`` (a view; strided with ``counterparts``)."""
+        if self.counterparts:
+            return self._grid(full)[:, self.topology.local_rank]
         k, lr = self.topology.ranks_per_node, self.topology.local_rank
-        n = flat.layout.padded_numel // k
-        return slice(lr * n, (lr + 1) * n)
+        return full.view(k, -1)[lr]
+
+    def own(self, secondary: torch.Tensor) -> torch.Tensor:
+        """This rank's primary shard's entries in its secondary slice (a view; ``counterparts``
+        layout only: there every rank's secondary holds its own primary range)."""
+        if not self.counterparts and self.topology.nodes > 1:
+            raise RuntimeError("Secondaries.own: the contiguous layout holds other ranks' primary ranges")
+        return secondary.view(self.topology.nodes, -1)[self.topology.node]
 
     def keep(self, flat: FlatShard, full: torch.Tensor) -> None:
         """Keep this rank's slice of a world-gathered ``full`` (valid)."""
-        self._held[id(flat)] = (flat, full[self.bounds(flat)].clone())
+        part = self.slice_of(full)
+        held = torch.empty(part.shape, dtype=full.dtype, device=full.device).copy_(part).view(-1)
+        self._held[id(flat)] = (flat, held)
         self._stale.discard(id(flat))
+
+    def gather_async(self, full: torch.Tensor, secondary: torch.Tensor) -> Work:
+        """The node's all-gather of the secondary slices into ``full``, in rank order."""
+        intra = self.topology.intra
+        if not self.counterparts:
+            return intra.all_gather_async(full, secondary)
+        k, nodes = self.topology.ranks_per_node, self.topology.nodes
+        rows = torch.empty(k * secondary.numel(), dtype=secondary.dtype, device=secondary.device)
+        work = intra.all_gather_async(rows, secondary)
+
+        def finish() -> None:
+            work.wait()  # rows: (local rank, node, shard); full: (node, local rank, shard)
+            self._grid(full).copy_(rows.view(k, nodes, -1).transpose(0, 1))
+        return intra.adopt(Work("hpz_gather", finish, asynchronous=work.asynchronous), full)
 
     def refreshed(self, flat: FlatShard) -> None:
         """A stale slice was brought up to the current weights in place: valid again."""
@@ -109,11 +151,9 @@ class Secondaries:
         if flat is None:
             self._held.clear()
             self._stale.clear()
-            self.own.clear()
         else:
             self._held.pop(id(flat), None)
             self._stale.discard(id(flat))
-            self.own.pop(id(flat), None)
 
 
 class SecondaryGather(WeightGather):
@@ -141,7 +181,7 @@ class SecondaryGather(WeightGather):
     def start(self, flat: FlatShard, full: torch.Tensor) -> Work:
         secondary = self.secondaries.get(flat)
         if secondary is not None:
-            return self.topology.intra.all_gather_async(full, secondary)
+            return self.secondaries.gather_async(full, secondary)
         self._world[id(flat)] = self.secondaries.generation(flat)
         return self.inner.start(flat, full)
 
