@@ -424,6 +424,15 @@ def _quantized_all_gather(book: _Book, what: str, s: int, bits: int, gs: int, gr
     book.all_gather(what, m, group, weight)
 
 
+def _node_copy_gather(book: _Book, what: str, mode: Mode, m: int) -> None:
+    """hpZ's gather of the node's secondary shards (``m`` bytes each); with weight deltas
+    they are in the counterparts layout, gathered one node's row at a time
+    (zpp.zero.gather.hpz, [Note: which entries a secondary shard holds])."""
+    rows = book.N if mode.weight_delta_bits is not None and book.N > 1 else 1
+    for _ in range(rows):
+        book.all_gather(what, m // rows, "intra")
+
+
 def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_bytes: int = 4,
             grad_bytes: int = 4, micro_steps: int = 1) -> Traffic:
     """Every collective call of one optimizer step of ``mode`` (see [Note: the cost model]).
@@ -471,7 +480,7 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                     world = 1 if i == 0 else 0
                     if each_micro > world:
                         book.repeat = each_micro - world
-                        book.all_gather(what, param_bytes * p // book.R, "intra")
+                        _node_copy_gather(book, what, mode, param_bytes * p // book.R)
                 book.repeat = world
                 if world and mode.weight_delta_bits is not None and mode.hpz and book.R > 1:
                     # a step's first gather refreshes the node's copy: the shards' differences'
@@ -479,7 +488,7 @@ def traffic(mode: Mode, units: Sequence[UnitShape], cluster: Cluster, *, param_b
                     # the node (steady state: the unit's very first gather went over the world
                     # as qwZ's)
                     _quantized_all_gather(book, what, s, mode.weight_delta_bits, mode.weight_group_size, "inter")
-                    book.all_gather(what, param_bytes * p // book.R, "intra")
+                    _node_copy_gather(book, what, mode, param_bytes * p // book.R)
                 elif world and phase == "forward" and mode.weight_bits is not None:
                     _quantized_all_gather(book, what, s, mode.weight_bits, mode.weight_group_size, hier=hier)
                 elif world:

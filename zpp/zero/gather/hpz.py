@@ -24,9 +24,9 @@ local rank ``l`` holds the primary shards of its counterparts, the ranks ``m * k
 its local rank on every node ``m`` (node order), which is exactly what the first hop of a
 two-hop gather brings it over ``topology.inter``; so a change of the weights reaches every
 copy of an entry by that hop alone, and every rank's own primary range is a piece of its own
-slice. The node's all-gather of such slices arrives as ``(local rank, node, shard)`` blocks,
-and one copy puts them in rank order. Both hold ``numel / k`` entries; with one node they
-are the same.
+slice. The node gathers such slices in one all-gather per node's row of the buffer (row
+``m``: node ``m``'s shards in local-rank order), each into its place. Both layouts hold
+``numel / k`` entries; with one node they are the same.
 """
 from __future__ import annotations
 
@@ -127,14 +127,16 @@ class Secondaries:
         intra = self.topology.intra
         if not self.counterparts:
             return intra.all_gather_async(full, secondary)
-        k, nodes = self.topology.ranks_per_node, self.topology.nodes
-        rows = torch.empty(k * secondary.numel(), dtype=secondary.dtype, device=secondary.device)
-        work = intra.all_gather_async(rows, secondary)
+        # one all-gather per node's row of the buffer: row m holds the shards of node m's
+        # ranks in local-rank order, so each lands in place (no staging buffer, no reordering)
+        nodes = self.topology.nodes
+        rows, parts = full.view(nodes, -1), secondary.view(nodes, -1)
+        works = [intra.all_gather_async(rows[m], parts[m]) for m in range(nodes)]
 
         def finish() -> None:
-            work.wait()  # rows: (local rank, node, shard); full: (node, local rank, shard)
-            self._grid(full).copy_(rows.view(k, nodes, -1).transpose(0, 1))
-        return intra.adopt(Work("hpz_gather", finish, asynchronous=work.asynchronous), full)
+            for work in works:
+                work.wait()
+        return Work("hpz_gather", finish, asynchronous=any(w.asynchronous for w in works))
 
     def refreshed(self, flat: FlatShard) -> None:
         """A stale slice was brought up to the current weights in place: valid again."""
