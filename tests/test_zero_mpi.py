@@ -1,5 +1,6 @@
 """The engine on the MPI transport (mpiexec), against the same runs on the torch transport:
-stage 1, and stage 3 with all of ZeRO++ (qwZ, hpZ, qgZ) and prefetch on 2 nodes x 2 ranks.
+stage 1, and stage 3 with all of ZeRO++ (qwZ, hpZ, qgZ), also with weight deltas, and prefetch
+on 2 nodes x 2 ranks.
 Losses agree, wire bytes per step are the same (the counters follow one model for every
 backend), and prefetch runs on MPI's non-blocking all-gather."""
 import pytest
@@ -16,7 +17,10 @@ RUNS = {
     "stage3": {"stage": 3},
     "zeropp": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
                "zero_quantized_gradients": True},
+    "zeropp-delta4": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                      "zero_quantized_gradients": True},
 }
+ZPP = {"zeropp-delta4": {"weight_delta_bits": 4}}  # the node copy refreshed by int4 weight deltas
 
 
 def _engine_world(t):
@@ -27,7 +31,8 @@ def _engine_world(t):
         torch.manual_seed(11)
         model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
         cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-               "gradient_clipping": 1.0, "zero_optimization": {**zero, "stage3_param_persistence_threshold": 0}}
+               "gradient_clipping": 1.0, "zero_optimization": {**zero, "stage3_param_persistence_threshold": 0},
+               "zpp": ZPP.get(name, {})}
         engine, *_ = zz.initialize(model=model, config=cfg, transport=t)
         losses, wire = [], []
         for x, y in batches:
@@ -60,4 +65,6 @@ def test_engine_on_mpi_matches_torch():
                 assert s.prefetched > 0 and s.hits == s.prefetched and s.synchronous == 0, (name, s)
                 assert s.mismatches == 0 and s.dropped == 0, (name, s)
         assert mpi[rank]["zeropp"]["stats"].passes == STEPS
+        # the deltas' refresh crossed the node link on MPI too (int4 codes, over the inter-node group)
+        assert all(w["quantized_all_gather"][2] > 0 for w in mpi[rank]["zeropp-delta4"]["wire"][1:])
     print({name: (mpi[0][name]["losses"], ref[0][name]["losses"]) for name in RUNS})
