@@ -60,8 +60,9 @@ class DeltaSecondaryGather(SecondaryGather):
     """hpZ whose secondary copies survive the optimizer step and are refreshed by quantized
     differences (see [Note: the delta refresh]); ``inner`` fills a unit's copies the first
     time. ``secondaries``: the store shared with the engine's other delta gather, in the
-    counterparts layout (Default: a new one). ``bits``: the code width of the differences (``zpp.weight_delta_bits``);
-    ``group_size``: entries per fp32 scale (``zpp.weight_group_size``, capped at the shard)."""
+    counterparts layout (Default: a new one). ``bits``: the code width of the differences
+    (``zpp.weight_delta_bits``); ``group_size``: entries per fp32 scale
+    (``zpp.weight_group_size``, capped at the shard)."""
 
     name = "hpz-delta"
 
@@ -110,7 +111,7 @@ class DeltaSecondaryGather(SecondaryGather):
         return Work("hpz_delta_gather", refresh, asynchronous=work.asynchronous)
 
     def outdated(self, flat: FlatShard) -> None:
-        self.secondaries.mark_stale(flat)  # (kept, with ``own`` from the same gather: the next one refreshes it)
+        self.secondaries.mark_stale(flat)  # (kept: the next gather refreshes it from what it holds)
 
     def kept(self, flat: FlatShard) -> list[torch.Tensor]:
         held = self.secondaries.held(flat)
