@@ -3,6 +3,8 @@ hierarchical mode win the race to a target loss where the link is slow, and lose
 the link is fast? (issue 21; [Note: the loss race] in zpp/tune/job.py)
 
     python perf/tune_race.py --rates 1000gbit,10mbit --loss-steps 100 --out perf/results/tune_race.json
+    python perf/tune_race.py --rates 100mbit --loss-steps 0 --candidates zero3,zero3-zeropp,zero3-zeropp-delta4 \
+        --layers 8 --width 512 --heads 8 --block 128 --batch 1 --trials 3    # by the step alone
 
 Needs root (``zpp cluster up``). The job is a user's script as it would be written: a GPT of
 tests/gpt.py on characters of the Python standard library's sources, AdamW, each rank its own
@@ -64,7 +66,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--loss-steps", type=int, default=100)
+    p.add_argument("--loss-steps", type=int, default=100,
+                   help="0: no race to a loss, the mode by its measured step alone (zpp tune --job's default)")
     p.add_argument("--candidates", default="zero2,zero3,zero3-zeropp,outer-int4")
     p.add_argument("--trials", type=int, default=2, help="autotuning.tuner_num_trials")
     p.add_argument("--job-timeout", type=float, default=1200.0)
@@ -85,9 +88,10 @@ def main() -> None:
 
         def body(rate: str, bps: int) -> None:
             rep_path, out_path = tmp_path / f"report-{rate}.json", tmp_path / f"tuned-{rate}.json"
+            race = ["--loss-steps", str(args.loss_steps)] if args.loss_steps else []
             cmd = [sys.executable, "-m", "zpp", "tune", "--job", "--cluster", "--ranks-per-node",
                    str(args.ranks_per_node), "--config", str(ds), "--candidates", args.candidates,
-                   "--loss-steps", str(args.loss_steps), "--job-timeout", str(args.job_timeout),
+                   *race, "--job-timeout", str(args.job_timeout),
                    "--report", str(rep_path), "--out", str(out_path), "--",
                    sys.executable, str(script), "--deepspeed_config", str(ds),
                    "--steps", str(2 * args.loss_steps + 10)]
