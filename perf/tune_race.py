@@ -70,12 +70,14 @@ def main() -> None:
                    help="0: no race to a loss, the mode by its measured step alone (zpp tune --job's default)")
     p.add_argument("--candidates", default="zero2,zero3,zero3-zeropp,outer-int4")
     p.add_argument("--trials", type=int, default=2, help="autotuning.tuner_num_trials")
+    p.add_argument("--no-check-metadata", action="store_true",
+                   help='the job\'s config turns the per-call metadata check off ("zpp": {"check_metadata": false})')
     p.add_argument("--job-timeout", type=float, default=1200.0)
     p.add_argument("--out", default="perf/results/tune_race.json")
     args = p.parse_args()
     record = clusterlib.new_record(args.nodes, args.ranks_per_node, model={
         k: getattr(args, k) for k in ("layers", "width", "heads", "block", "batch", "seed")},
-        loss_steps=args.loss_steps, candidates=args.candidates)
+        loss_steps=args.loss_steps, candidates=args.candidates, check_metadata=not args.no_check_metadata)
     with tempfile.TemporaryDirectory(prefix="zpp-tune-race-") as tmp:
         tmp_path = Path(tmp)
         script = tmp_path / "train.py"
@@ -84,7 +86,8 @@ def main() -> None:
         ds = tmp_path / "ds.json"
         ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": args.batch, "optimizer": {
             "type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2},
-            "autotuning": {"start_profile_step": 2, "end_profile_step": 6, "tuner_num_trials": args.trials}}))
+            "autotuning": {"start_profile_step": 2, "end_profile_step": 6, "tuner_num_trials": args.trials},
+            **({"zpp": {"check_metadata": False}} if args.no_check_metadata else {})}))
 
         def body(rate: str, bps: int) -> None:
             rep_path, out_path = tmp_path / f"report-{rate}.json", tmp_path / f"tuned-{rate}.json"
