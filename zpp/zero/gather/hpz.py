@@ -95,18 +95,12 @@ class Secondaries:
             return SecondaryState.ABSENT
         return SecondaryState.STALE if id(flat) in self._stale else SecondaryState.VALID
 
-    def _grid(self, full: torch.Tensor) -> torch.Tensor:
-        """``full`` as ``(nodes, ranks per node, shard)``: entry ``[m, l]`` is the primary shard
-        of rank ``m * k + l`` (ranks are node-major)."""
-        t = self.topology
-        return full.view(t.nodes, t.ranks_per_node, -1)
-
     def slice_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's secondary entries of ``full`` (a view; strided with ``counterparts``)."""
-        if self.counterparts:
-            return self._grid(full)[:, self.topology.local_rank]
-        k, lr = self.topology.ranks_per_node, self.topology.local_rank
-        return full.view(k, -1)[lr]
+        t = self.topology
+        if self.counterparts:  # full as (node, local rank, shard): ranks are node-major
+            return full.view(t.nodes, t.ranks_per_node, -1)[:, t.local_rank]
+        return full.view(t.ranks_per_node, -1)[t.local_rank]
 
     def own(self, secondary: torch.Tensor) -> torch.Tensor:
         """This rank's primary shard's entries in its secondary slice (a view; ``counterparts``
