@@ -12,14 +12,8 @@ from tests.gpt import GPT, GPTConfig
 
 pytestmark = needs_mpi
 STEPS = 5
-RUNS = {
-    "stage1": {"stage": 1},
-    "stage3": {"stage": 3},
-    "zeropp": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
-               "zero_quantized_gradients": True},
-    "zeropp-delta4": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
-                      "zero_quantized_gradients": True},
-}
+ZEROPP = {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+RUNS = {"stage1": {"stage": 1}, "stage3": {"stage": 3}, "zeropp": ZEROPP, "zeropp-delta4": ZEROPP}
 ZPP = {"zeropp-delta4": {"weight_delta_bits": 4}}  # the node copy refreshed by int4 weight deltas
 
 

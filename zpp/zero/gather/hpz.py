@@ -111,8 +111,7 @@ class Secondaries:
 
     def keep(self, flat: FlatShard, full: torch.Tensor) -> None:
         """Keep this rank's slice of a world-gathered ``full`` (valid)."""
-        part = self.slice_of(full)
-        held = torch.empty(part.shape, dtype=full.dtype, device=full.device).copy_(part).view(-1)
+        held = self.slice_of(full).clone(memory_format=torch.contiguous_format).view(-1)
         self._held[id(flat)] = (flat, held)
         self._stale.discard(id(flat))
 
