@@ -204,6 +204,32 @@ def test_choose_takes_the_compute_from_the_profiles_link_waits():
     assert rep["compute_source"] == "the cost model's step inverted" and rep["compute_s"] > 5
 
 
+class _WaitingJob(_FakeJob):
+    """As _FakeJob, its runs' training threads waiting ``meta_s`` seconds a step in metadata checks."""
+
+    def __init__(self, step_s, meta_s):
+        super().__init__(step_s, {n: (lambda k: 3.0) for n in step_s})
+        self.meta_s = meta_s
+
+    def __call__(self, mode, **kw):
+        return {**super().__call__(mode, **kw), "link_waits": {"metadata": self.meta_s[mode.name]}}
+
+
+def test_the_report_advises_the_metadata_check_off_where_the_winner_waited_in_it():
+    # zero2 wins at 2 s a step; its thread waited 0.2 s in metadata checks (10%): advised, with
+    # both numbers; at 0.05 s (2.5%) not. The tuned sections keep the job's setting either way.
+    prof = {**_profile(3.0), "link_wait_s": 1.0, "link_waits": {"reduce": 0.6, "metadata": 0.4}}
+    for meta, advised in ((0.2, True), (0.05, False)):
+        rep = job.choose(prof, ["zero2", "zero3"], _WaitingJob({"zero2": 2.0}, {"zero2": meta}), confirm=2,
+                         memory_gb=None)
+        rows = {r["mode"]: r for r in rep["candidates"]}
+        assert rep["winner"] == "zero2" and rows["zero2"]["measured_metadata_s"] == meta
+        assert rows["zero3"]["measured_metadata_s"] == 0.4  # the profile's own
+        text = job.format_report(rep)
+        assert (f"waited {meta:.3f} s of its 2.000 s step in the per-call metadata check" in text) is advised, text
+        assert "check_metadata" not in json.dumps(rep["winner_sections"])
+
+
 def test_choose_skips_the_race_on_one_node():
     prof = {**_profile(3.0), "world": 2, "nodes": 1, "probe_world_s": 0.0}
     runner = _FakeJob({"zero2": 2.0, "zero3": 3.0}, {"zero2": lambda k: 3.0 - 0.01 * k})
@@ -513,7 +539,8 @@ def test_trial_counts_optimizer_steps_and_their_losses(tmp_path, backward):
     assert m["loss_curve"][:5] == pytest.approx(mine, rel=1e-6)
     assert m["outer_syncs"] is None and m["world"] == 1
     # one rank: nothing to wait for on a link, and every phase reported
-    assert set(m["link_waits"]) == {"forward_gather", "backward_gather", "exact_gather", "reduce", "norm", "publish"}
+    assert set(m["link_waits"]) == {"forward_gather", "backward_gather", "exact_gather", "reduce", "norm", "publish",
+                                    "metadata"}
     assert m["link_wait_s"] == pytest.approx(sum(m["link_waits"].values())) and m["link_wait_s"] >= 0
 
 

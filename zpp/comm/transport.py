@@ -10,6 +10,10 @@ With ``check_metadata=True`` (the default) every call first all-gathers a few in
 (op, element count, dtype) over the backend, and every rank raises the same ``ValueError``
 if they differ; mismatched calls thus fail on every rank instead of hanging or reading
 garbage. It costs one tiny collective per call; switch it off for speed once a job runs.
+The call blocks its thread until every rank has made it, and on a slow link its few bytes
+queue behind whatever that link carries; :func:`check_seconds` says how long each thread
+has spent there, and the engine books its training thread's share as a link wait (phase
+``metadata`` of :class:`~zpp.zero.reduce.overlap.LinkWaits`).
 
 [Note: asynchronous collectives]
 ``all_gather_async(out, inp)`` starts the all-gather and returns a :class:`Work`; ``out``
@@ -39,6 +43,8 @@ on every transport of that world refuses calls with ``RuntimeError``.
 from __future__ import annotations
 
 import abc
+import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -53,6 +59,14 @@ _DTYPE_CODES = {
     torch.uint8: 5, torch.int8: 6, torch.int32: 7, torch.int64: 8, torch.bool: 9,
 }
 REDUCE_OPS = ("sum", "mean", "max", "min")
+
+_check_s: dict[int, float] = {}  # thread ident -> seconds; each entry written by its own thread
+
+
+def check_seconds(thread: int | None = None) -> float:
+    """Seconds thread ``thread`` (an ident; None: the calling thread) has spent in metadata
+    checks, every transport's, so far (only grows); see [Note: metadata check]."""
+    return _check_s.get(threading.get_ident() if thread is None else thread, 0.0)
 
 
 class Work:
@@ -414,7 +428,12 @@ class Transport(abc.ABC):
         k = len(values)
         mine = torch.tensor(list(values), dtype=torch.int64)
         everyone = torch.empty(self.world_size * k, dtype=torch.int64)
-        self._meta_all_gather(everyone, mine)
+        t0 = time.perf_counter()
+        try:
+            self._meta_all_gather(everyone, mine)
+        finally:
+            me = threading.get_ident()
+            _check_s[me] = _check_s.get(me, 0.0) + (time.perf_counter() - t0)
         rows = everyone.view(self.world_size, k)
         if not bool((rows == rows[0]).all()):
             names = list(names) if names else [f"v{i}" for i in range(k)]

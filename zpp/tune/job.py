@@ -17,8 +17,10 @@ job's config written with the winner's sections.
    carries ``(W - 1) x 1 MiB`` per node in the world probe, a node's link inside ``(R - 1) x
    1 MiB`` per rank; bandwidth = bytes / time (latency taken as 50 us).
 3. *Compute*: the profiled mean step less the seconds its training thread waited on the
-   link (the trial's ``link_wait_s``, the ranks' mean): what the step spends when no byte
-   is waited for. (Solving the step for the compute under the model's time rule,
+   link (the trial's ``link_wait_s``, the ranks' mean; the per-call metadata checks' blocking
+   round trips included, phase ``metadata``: left out, they made the 25M GPT's compute
+   10.4 s of a 20.1 s step at 100 Mbit where it is about 0.5-1.2 s): what the step spends
+   when no byte is waited for. (Solving the step for the compute under the model's time rule,
    :func:`zpp.tune.cost.compute_from_step`, which a profile without waits still uses, made
    the compute the small remainder of a link-bound step: 0.03-0.78 s against 0.11 s on the
    0.8M GPT at 10 Mbit, perf/BENCHMARKS.md "The loss race".) The same compute for every
@@ -30,7 +32,9 @@ job's config written with the winner's sections.
 5. *Confirm* the ``tuner_num_trials`` (default 3) fastest predicted by running each as in 1;
    the winner is the fastest *measured*. The report (``--report``) lists every candidate,
    predicted and measured, and why the winner won; ``--out`` is the job's config (``--config``
-   or empty) with the winner's sections, ready to run unchanged. Each run's output goes to
+   or empty) with the winner's sections, ready to run unchanged (the report advises turning
+   the metadata check off where the winner waited in it for 5% of its step or more; the
+   config keeps the job's setting). Each run's output goes to
    the report (``logs``), not to the terminal; a failed run's last lines are printed.
 6. *Race to a loss* (``--loss-steps N``, on several nodes; see [Note: the loss race]).
 7. *Micro-batch* (with ``autotuning.arg_mappings`` for ``train_micro_batch_size_per_gpu``; see
@@ -103,6 +107,10 @@ MIN_SYNC_EVERY = 5
 """The shortest H the loss race gives the hierarchical mode (see [Note: the loss race]): the
 mode's default H, ``zpp.zero.outer_config.DEFAULT_SYNC_EVERY`` (written out: this module is
 torch-free at import; a test holds them equal)."""
+METADATA_ADVICE = 0.05
+"""The report advises switching the metadata check off when the winner's training thread
+waited in it for at least this share of its measured step (phase ``metadata`` of the
+trial's link waits)."""
 PROFILE_MODE = "zero3"
 """The profiling run's mode: ZeRO-3 (its gather trace gives every stage 3 candidate's gathers)."""
 DEFAULT_OUT = "zpp_tuned.json"
@@ -440,7 +448,8 @@ def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memo
                    "fits": memory_gb is None or p.peak_bytes <= memory_gb * 1e9}
     if PROFILE_MODE in rows:
         rows[PROFILE_MODE].update(measured_step_s=prof["step_s"], measured_inter_bytes=prof["inter_bytes"],
-                                  measured_peak_bytes=prof["peak_rss_bytes"])
+                                  measured_peak_bytes=prof["peak_rss_bytes"],
+                                  measured_metadata_s=(prof.get("link_waits") or {}).get("metadata"))
     ranked = sorted((r for r in rows.values() if r.get("fits", True) and "pred_step_s" in r),
                     key=lambda r: r["pred_step_s"])
     for r in ranked[:confirm]:
@@ -451,7 +460,7 @@ def choose(prof: dict[str, Any], names: list[str], runner, *, confirm: int, memo
             r["error"] = m["error"]
             continue
         r.update(measured_step_s=m["step_s"], measured_inter_bytes=m["inter_bytes"],
-                 measured_peak_bytes=m["peak_rss_bytes"])
+                 measured_peak_bytes=m["peak_rss_bytes"], measured_metadata_s=(m.get("link_waits") or {}).get("metadata"))
     measured = [r for r in rows.values() if "measured_step_s" in r and r.get("fits", True)]
     if not measured:
         raise RuntimeError("zpp tune --job: no candidate ran")
@@ -514,6 +523,12 @@ def format_report(rep: dict[str, Any]) -> str:
                      + mark + (f"  error: {r['error']}" if "error" in r else "")
                      + (f"  skipped: {r['skipped']}" if "skipped" in r else ""))
     lines.append(f"# {rep['why']}")
+    won = next((r for r in rep["candidates"] if r["mode"] == rep["winner"]), {})
+    meta, step = won.get("measured_metadata_s"), won.get("measured_step_s")
+    if meta is not None and step and meta >= METADATA_ADVICE * step:
+        lines.append(f"# {rep['winner']}'s training thread waited {meta:.3f} s of its {step:.3f} s step in the per-call "
+                     "metadata check (see [Note: metadata check] in zpp/comm/transport.py); once the job runs, "
+                     '"zpp": {"check_metadata": false} saves most of it')
     mb = rep.get("micro_batch") or {}
     if "why" in mb:
         lines.append(f"# {mb['why']}")

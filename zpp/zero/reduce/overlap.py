@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zpp.comm.transport import Transport
+from zpp.comm.transport import Transport, check_seconds
 from zpp.zero.comm_api import GradReduce, Reduction
 
 if TYPE_CHECKING:
@@ -92,8 +92,11 @@ class LinkWaits:
     :meth:`take`: ``forward_gather`` / ``backward_gather`` (waiting for a unit's weights),
     ``reduce`` (waiting for gradient reductions: the whole reduction when it runs at once,
     the rest of it when overlapped), ``norm`` (the gradient norm's all-reduce, which waits for
-    the slowest rank), ``publish`` (stages 1-2: the updated weights' gather).
-    The bench prints them per step (``perf/train_cluster.py``).
+    the slowest rank), ``publish`` (stages 1-2: the updated weights' gather), ``metadata``
+    (the training thread's metadata checks outside those waits, e.g. while it starts a
+    prefetched gather: blocking round trips, see [Note: metadata check] in
+    :mod:`zpp.comm.transport`; the training thread is the one of the first wait). The bench
+    prints them per step (``perf/train_cluster.py``).
 
     Each wait is also a span named ``zpp.wait.<phase> <what>``, as are the engine's
     ``zpp.forward``, ``zpp.backward`` and ``zpp.step`` and each overlapped reduction on its
@@ -102,11 +105,17 @@ class LinkWaits:
     ``(name, start, end, thread name)`` there in ``time.perf_counter`` seconds (the profiler
     does not see the reduction thread, which predates it): ``perf/train_bench.py --trace``."""
 
-    PHASES = ("forward_gather", "backward_gather", "exact_gather", "reduce", "norm", "publish")
+    PHASES = ("forward_gather", "backward_gather", "exact_gather", "reduce", "norm", "publish", "metadata")
     """Every phase a wait is booked under (a gather's is its :class:`~zpp.zero.comm_api.Phase`'s)."""
 
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     spans: list[tuple[str, float, float, str]] | None = None
+    #: the training thread (of the first wait), its metadata-check seconds at the last take,
+    #: those inside its waits since (booked there already), and its depth of nested waits
+    _thread: int | None = None
+    _checks_mark: float = 0.0
+    _checks_inside: float = 0.0
+    _depth: int = 0
 
     def add(self, phase: str, s: float) -> None:
         if phase not in self.PHASES:
@@ -127,15 +136,27 @@ class LinkWaits:
     @contextlib.contextmanager
     def waiting(self, phase: str, what: str):
         """Book the time inside the block as a wait of ``phase`` (``what``: e.g. "unit 3")."""
-        t0 = time.perf_counter()
+        me = threading.get_ident()
+        if self._thread is None:
+            self._thread, self._checks_mark = me, check_seconds(me)
+        outer = me == self._thread and self._depth == 0
+        self._depth += outer
+        c0, t0 = check_seconds(me), time.perf_counter()
         try:
             with self.span(f"zpp.wait.{phase} {what}"):
                 yield
         finally:
             self.add(phase, time.perf_counter() - t0)
+            if outer:
+                self._depth -= 1
+                self._checks_inside += check_seconds(me) - c0
 
     def take(self) -> dict[str, float]:
         """The seconds per phase so far, and start again from zero."""
+        if self._thread is not None:  # the training thread's checks that no wait above held
+            now = check_seconds(self._thread)
+            self.seconds["metadata"] += max(0.0, now - self._checks_mark - self._checks_inside)
+            self._checks_mark, self._checks_inside = now, 0.0
         out, self.seconds = dict(self.seconds), collections.defaultdict(float)
         return out
 
