@@ -124,15 +124,15 @@ def _check(t: Transport, what: str) -> None:
         _check_reduce_scatter(t, f"{what} (ring in pieces)", sizes=(13, 1000))
     finally:
         torch_backend.RING_PIECE_BYTES = saved
-    if t._reverse.group is None:
+    if t._companions.reverse is None:
         raise AssertionError(f"{what}: the duplex path ran without a reverse group")
 
 
 # ---------------------------------------------------------------------- world functions
 def _flat_world(t: Transport) -> float:
     start = time.perf_counter()
-    if not t.gloo_duplex or t._reverse.group is not None:
-        raise AssertionError(f"fresh world: gloo_duplex={t.gloo_duplex}, reverse group {t._reverse.group}")
+    if not t.gloo_duplex or t._companions.reverse is not None:
+        raise AssertionError(f"fresh world: gloo_duplex={t.gloo_duplex}, reverse group {t._companions.reverse}")
     _check(t, f"world of {t.world_size}")
     return time.perf_counter() - start
 
@@ -157,7 +157,7 @@ def _directions_world(t: Transport) -> list:
             peer = kwargs.get("group_dst", kwargs.get("group_src"))
             if peer is None:
                 peer = dist.get_group_rank(group, kwargs.get("dst", kwargs.get("src")))
-            seen.append((kind, peer, "fwd" if group is t.group else "rev" if group is t._reverse.group else "other"))
+            seen.append((kind, peer, "fwd" if group is t.group else "rev" if group is t._companions.reverse else "other"))
             return real(tensor, *args, group=group, **kwargs)
         return wrapped
 
@@ -189,7 +189,7 @@ def _switched_off_world(t: Transport) -> dict:
     t.barrier()  # no rank leaves while another may still be connecting a sub-group
     return {
         "flag": t.gloo_duplex,
-        "reverse": [x._reverse.group is not None for x in (t, topo.intra, topo.inter)],
+        "reverse": [x._companions.reverse is not None for x in (t, topo.intra, topo.inter)],
         "rs": rs.tolist(),
         "a2a": out.tolist(),
     }

@@ -67,6 +67,18 @@ paths in one job, but a sub-transport made while it was off has no reverse group
 using gloo's own ops. NCCL, and CUDA tensors on any backend, always take the backend's own
 ops.
 
+[Note: metadata checks on gloo]
+A gloo process group runs its collectives in the order they were started, on its own worker
+threads, over one connection per pair of ranks. The metadata check's tiny all-gather on the
+transport's own group (see [Note: metadata check] in :mod:`zpp.comm.transport`) therefore
+waited for every collective started before it: starting a prefetched gather blocked the
+training thread until the gathers started before had crossed the link, so the forward could
+not compute beside them. On gloo, while the check is on, every transport made by
+:meth:`TorchTransport.init`, ``duplicate`` or a sub-group holds one more process group over
+the same ranks (its "meta" companion, beside the reverse group) and runs the checks there;
+a transport over a group made elsewhere keeps them on its own group. NCCL and MPI are as
+before.
+
 [Note: dead peers]
 ``timeout_s`` (see :mod:`zpp.comm.timeout`) bounds the rendezvous (see [Note: rendezvous] in
 :mod:`zpp.comm.rendezvous`) and is handed to ``init_process_group`` and to every
@@ -133,14 +145,16 @@ def duplex_from_env(env: Mapping[str, str] = os.environ) -> bool:
     raise ValueError(f"{DUPLEX_ENV}={env.get(DUPLEX_ENV)!r}: expected 1 or 0")
 
 
-class _Reverse:
-    """The reverse process group of a transport (see [Note: gloo duplex pairs]), shared by
-    every transport over the same process group; ``group`` is None until made."""
+class _Companions:
+    """The process groups beside a transport's own, shared by every transport over the same
+    process group: ``reverse`` (see [Note: gloo duplex pairs]; None until made) and ``meta``
+    (see [Note: metadata checks on gloo]; None: the checks take the transport's group)."""
 
-    __slots__ = ("group",)
+    __slots__ = ("reverse", "meta")
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+    def __init__(self, reverse: dist.ProcessGroup | None = None, meta: dist.ProcessGroup | None = None) -> None:
+        self.reverse = reverse
+        self.meta = meta
 
 
 class TorchTransport(Transport):
@@ -173,7 +187,7 @@ class TorchTransport(Transport):
         prefer_single_tensor: bool = True,
         gloo_duplex: bool | None = None,
         faults: FaultChannel | None = None,
-        _reverse: _Reverse | None = None,
+        _companions: _Companions | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TorchTransport: torch.distributed is not initialized; use TorchTransport.init()")
@@ -194,7 +208,7 @@ class TorchTransport(Transport):
         # (op, dtype, device type) -> whether the single-tensor op works; see the Note.
         self._native: dict[tuple[str, torch.dtype, str], bool] = {}
         self.gloo_duplex = duplex_from_env() if gloo_duplex is None else bool(gloo_duplex)
-        self._reverse = _reverse if _reverse is not None else _Reverse()
+        self._companions = _companions if _companions is not None else _Companions()
         self.faults = faults
         teardown.track_torch(self)
 
@@ -253,6 +267,8 @@ class TorchTransport(Transport):
         world.check_agree(
             "TorchTransport.init (gloo_duplex, $ZPP_GLOO_DUPLEX)", (int(world.gloo_duplex),), ("gloo_duplex",)
         )
+        if world.world_size == dist.get_world_size():  # every rank is here: new_group may run
+            world._companions.meta = world._new_companions(list(world.ranks), reverse=False).meta
         return world
 
     # ------------------------------------------------------------------ collectives
@@ -347,6 +363,11 @@ class TorchTransport(Transport):
             dist.barrier(group=self.group)
 
     def _meta_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        meta = self._companions.meta
+        if meta is not None:  # see [Note: metadata checks on gloo]
+            with self._guard("all_gather"):
+                dist.all_gather(list(out.chunk(self.world_size)), inp, group=meta)
+            return
         if "gloo" in self.backend or "mpi" in self.backend:
             self._all_gather(out, inp)
             return
@@ -367,25 +388,30 @@ class TorchTransport(Transport):
                 f"TorchTransport: sub-groups can only be made from the world transport, not from {self!r}"
             )
         group = self._new_group([self.ranks[m] for m in members])
-        # Its reverse group right away, while every rank is here; see [Note: gloo duplex pairs].
-        reverse = None
-        if len(members) > 1 and self.gloo_duplex and "gloo" in self.backend:
-            reverse = self._new_group([self.ranks[m] for m in members])
+        # Its companions right away, while every rank is here; see [Note: gloo duplex pairs].
+        companions = self._new_companions([self.ranks[m] for m in members])
         if self.rank not in members:
             return None
-        return self._child(group, members, _Reverse(reverse))
+        return self._child(group, members, companions)
 
     def duplicate(self) -> TorchTransport:
         if self.world_size != dist.get_world_size():  # as for _subgroup: new_group needs every rank
             raise NotImplementedError(f"TorchTransport.duplicate: only the world transport can, not {self!r}")
         group = self._new_group(list(self.ranks))
-        reverse = None
-        if self.world_size > 1 and self.gloo_duplex and "gloo" in self.backend:
-            reverse = self._new_group(list(self.ranks))
-        return self.derived(self._child(group, tuple(range(self.world_size)), _Reverse(reverse)))
+        return self.derived(self._child(group, tuple(range(self.world_size)), self._new_companions(list(self.ranks))))
+
+    def _new_companions(self, global_ranks: list[int], *, reverse: bool = True) -> _Companions:
+        """The companion groups of a new group of ``global_ranks`` (collective over the
+        default group, as ``new_group``): its reverse group on the gloo duplex path (unless
+        ``reverse`` is False), its metadata group on gloo while the check is on (see [Note:
+        metadata checks on gloo])."""
+        gloo = len(global_ranks) > 1 and "gloo" in self.backend
+        reverse = self._new_group(global_ranks) if gloo and self.gloo_duplex and reverse else None
+        meta = self._new_group(global_ranks) if gloo and self.check_metadata else None
+        return _Companions(reverse, meta)
 
     def _child(
-        self, group: dist.ProcessGroup, members: tuple[int, ...], reverse: _Reverse | None = None
+        self, group: dist.ProcessGroup, members: tuple[int, ...], companions: _Companions | None = None
     ) -> TorchTransport:
         return TorchTransport(
             group,
@@ -396,7 +422,7 @@ class TorchTransport(Transport):
             prefer_single_tensor=self.prefer_single_tensor,
             gloo_duplex=self.gloo_duplex,
             faults=self.faults,
-            _reverse=reverse if reverse is not None else self._reverse,
+            _companions=companions if companions is not None else self._companions,
         )
 
     def _new_group(self, global_ranks: list[int]) -> dist.ProcessGroup:
@@ -412,11 +438,11 @@ class TorchTransport(Transport):
         that every rank enters, with the same decision on every rank."""
         if not self.gloo_duplex or t.device.type != "cpu" or "gloo" not in self.backend:
             return None
-        if self._reverse.group is None:
+        if self._companions.reverse is None:
             if self.world_size != dist.get_world_size():
                 return None  # a group made elsewhere: new_group here could hang; gloo's own ops
-            self._reverse.group = self._new_group(list(self.ranks))
-        return self.group, self._reverse.group
+            self._companions.reverse = self._new_group(list(self.ranks))
+        return self.group, self._companions.reverse
 
     def _isend(self, t: torch.Tensor, peer: int, pair, tag: int = 0) -> dist.Work:
         group = pair[0] if self.rank < peer else pair[1]
@@ -506,8 +532,8 @@ class TorchTransport(Transport):
 
     # ------------------------------------------------------------------ teardown
     def process_groups(self) -> list[dist.ProcessGroup]:
-        """The process groups this transport holds (its group and its reverse group)."""
-        return [g for g in (self.group, self._reverse.group) if g is not None]
+        """The process groups this transport holds (its group and its companions)."""
+        return [g for g in (self.group, self._companions.reverse, self._companions.meta) if g is not None]
 
     def free(self) -> None:
         groups: dict[int, dist.ProcessGroup] = {}
@@ -523,7 +549,7 @@ class TorchTransport(Transport):
         """Drop this transport's process groups and works in flight; it is unusable
         afterwards. See [Note: clean exit] in :mod:`zpp.comm.teardown`."""
         self.group = None
-        self._reverse.group = None
+        self._companions.reverse = self._companions.meta = None
         self._inflight.clear()
 
 
