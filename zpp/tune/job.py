@@ -19,7 +19,7 @@ job's config written with the winner's sections.
 3. *Compute*: the profiled mean step less the seconds its training thread waited on the
    link (the trial's ``link_wait_s``, the ranks' mean; the per-call metadata checks' blocking
    round trips included, phase ``metadata``: left out, they made the 25M GPT's compute
-   10.4 s of a 20.1 s step at 100 Mbit where it is about 0.5-1.2 s): what the step spends
+   10.4 s of a 20.1 s step at 100 Mbit where it is 0.6-0.9 s): what the step spends
    when no byte is waited for. (Solving the step for the compute under the model's time rule,
    :func:`zpp.tune.cost.compute_from_step`, which a profile without waits still uses, made
    the compute the small remainder of a link-bound step: 0.03-0.78 s against 0.11 s on the
@@ -528,7 +528,7 @@ def format_report(rep: dict[str, Any]) -> str:
     if meta is not None and step and meta >= METADATA_ADVICE * step:
         lines.append(f"# {rep['winner']}'s training thread waited {meta:.3f} s of its {step:.3f} s step in the per-call "
                      "metadata check (see [Note: metadata check] in zpp/comm/transport.py); once the job runs, "
-                     '"zpp": {"check_metadata": false} saves most of it')
+                     '"zpp": {"check_metadata": false} removes the checks')
     mb = rep.get("micro_batch") or {}
     if "why" in mb:
         lines.append(f"# {mb['why']}")
