@@ -72,12 +72,15 @@ A gloo process group runs its collectives in the order they were started, on its
 threads, over one connection per pair of ranks. The metadata check's tiny all-gather on the
 transport's own group (see [Note: metadata check] in :mod:`zpp.comm.transport`) therefore
 waited for every collective started before it: starting a prefetched gather blocked the
-training thread until the gathers started before had crossed the link, so the forward could
-not compute beside them. On gloo, while the check is on, every transport made by
-:meth:`TorchTransport.init`, ``duplicate`` or a sub-group holds one more process group over
-the same ranks (its "meta" companion, beside the reverse group) and runs the checks there;
-a transport over a group made elsewhere keeps them on its own group. NCCL and MPI are as
-before.
+training thread until the gathers started before it had crossed the link (ZeRO-3 on the 25M
+GPT at 100 Mbit: 9.7 s of its 20 s step in checks; 1.0 s on a group of their own,
+perf/BENCHMARKS.md "The metadata check on the user's road"). On gloo, while the check is on,
+every transport made by :meth:`TorchTransport.init`, ``duplicate`` or a sub-group holds one
+more process group over the same ranks (its "meta" companion, beside the reverse group) and
+runs the checks there; a transport over a group made elsewhere keeps them on its own group.
+NCCL and MPI are as before. What remains is the round trip itself: on a busy link its
+packets still queue behind the other connections' bytes, and each check holds the ranks in
+step (ZeRO++: 0.9 s of a 2.9 s step at 100 Mbit, 20-25% below the check on its own group).
 
 [Note: dead peers]
 ``timeout_s`` (see :mod:`zpp.comm.timeout`) bounds the rendezvous (see [Note: rendezvous] in

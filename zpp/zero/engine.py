@@ -397,7 +397,7 @@ class ZeroEngine(ModeAttributes, DeepSpeedAccessors, DeepSpeedMethods, torch.nn.
     def link_waits(self) -> dict[str, float]:
         """Seconds this rank's training thread waited on communication since the last call,
         per phase (``forward_gather``, ``backward_gather``, ``exact_gather``, ``reduce``, ``norm``,
-        ``publish``); see :class:`~zpp.zero.reduce.overlap.LinkWaits`."""
+        ``publish``, ``metadata``); see :class:`~zpp.zero.reduce.overlap.LinkWaits`."""
         return self.comms.waits.take()
 
     def _grad_scale(self) -> float:
