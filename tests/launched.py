@@ -143,9 +143,11 @@ def launch(kind: str, nprocs: int, scenario: str, outdir: Path, *, env: dict[str
         for i, p in enumerate(procs):
             if ended[i] is None and p.poll() is not None:
                 ended[i] = time.time()
-        done = all(p.poll() is not None for p in procs)
+        # decided on the ends recorded just above, never on a fresh poll(): a process that ends
+        # between the two would end the run with its end time unrecorded
+        done = all(t is not None for t in ended)
         if until_results is not None and all((outdir / f"rank{r}.json").exists() for r in until_results):
-            if kind != "spawn" or all(procs[r].poll() is not None for r in until_results):
+            if kind != "spawn" or all(ended[r] is not None for r in until_results):
                 done = True
         if done:
             break
