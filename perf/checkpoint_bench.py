@@ -6,7 +6,8 @@ the CRC32 checksums and the fsyncs (zpp/zero/checkpoint/files.py).
 
 A GPT (tests/gpt.py; Default 8 layers x 512, 25.35M fp32 parameters), ZeRO stage 3 and Adam
 after one training step, so the checkpoint holds the weights and both Adam moments (about
-304 MB over all shards). Each variant saves the same tag ``--repeats`` times (the first save
+304 MB over all shards); ``--config zeropp-delta4 --world 4 --ranks-per-node 2``: ZeRO++ with
+int4 weight deltas, whose checkpoint holds hpZ's node copy too (``zeropp``: without them). Each variant saves the same tag ``--repeats`` times (the first save
 publishes a new tag, the others re-save it: the atomic exchange) and loads it back into the
 same engine (every rank reads and checks every shard, see [Note: resharding]); the time of a
 save or load is the slowest rank's wall time; a row gives the minimum over the repeats (the
@@ -95,6 +96,10 @@ def main(t, args):
     model = trainlib.make_model(args)
     params = sum(p.numel() for p in model.parameters())
     cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3}}
+    if args.config != "zero3":  # ZeRO++ (hpZ over the node), with int4 weight deltas: their copies are saved too
+        cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
+                                        zero_hpz_partition_size=args.ranks_per_node)
+        cfg["zpp"] = {"weight_delta_bits": 4} if args.config == "zeropp-delta4" else {}
     engine, *_ = zpp.initialize(model=model, config=cfg, transport=t)
     g = torch.Generator().manual_seed(t.rank)
     x = torch.randint(0, 128, (args.batch, args.block), generator=g)
@@ -137,7 +142,7 @@ def main(t, args):
         return
     shutil.rmtree(base, ignore_errors=True)
     full = {r["variant"]: r for r in rows}
-    print(f"# checkpoint_bench world={t.world_size} GPT {args.n_layer}x{args.n_embd} params={params} "
+    print(f"# checkpoint_bench world={t.world_size} config={args.config} GPT {args.n_layer}x{args.n_embd} params={params} "
           f"stage 3 + Adam, min (median) of {args.repeats}")
     print(f"{'variant':>14} {'save_s':>16} {'save_cpu_s':>10} {'load_s':>16} {'load_cpu_s':>10} {'MB':>8}")
     for r in rows:
@@ -161,7 +166,7 @@ def main(t, args):
                              cwd=trainlib.ROOT).stdout.strip()
         out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "host": socket.gethostname(), "command": " ".join(["python"] + sys.argv), "git_revision": rev,
-               "world": t.world_size, "params": params,
+               "world": t.world_size, "ranks_per_node": args.ranks_per_node, "config": args.config, "params": params,
                "model": {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block")},
                "repeats": args.repeats, "rows": rows, "ratios": ratios}
         with open(args.json, "w") as f:
@@ -174,6 +179,8 @@ if __name__ == "__main__":
     p.set_defaults(n_head=8, ranks_per_node=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--config", choices=("zero3", "zeropp", "zeropp-delta4"), default="zero3",
+                   help="stage 3 (Default), ZeRO++ with hpZ over --ranks-per-node, or that with int4 weight deltas")
     p.add_argument("--dir", default=None, help="where the checkpoints go (Default: a new directory under /tmp)")
     a = p.parse_args()
     trainlib.parse_variants(p, a, VARIANTS)

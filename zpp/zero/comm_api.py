@@ -21,6 +21,7 @@ from zpp.zero.config import TrainConfig
 
 if TYPE_CHECKING:
     from zpp.comm.topology import Topology
+    from zpp.zero.gather.hpz import Secondaries
     from zpp.zero.shard import FlatLayout, FlatShard
 
 
@@ -84,6 +85,12 @@ class WeightGather(abc.ABC):
         the training, a checkpoint load or ``GatheredParameters``' modification): drop what
         the strategy keeps of ``flat`` (None: of every unit), or mark it out of date. Default:
         nothing."""
+
+    def resumable(self) -> Secondaries | None:
+        """What the strategy keeps across optimizer steps that a checkpoint must hold for a
+        resumed run to continue bit for bit (the delta refresh's copies); None (the default):
+        nothing, it rebuilds what it keeps from the loaded weights."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -58,6 +58,9 @@ from zpp.zero.param_swap import ParamSwap
 from zpp.zero.policy import ShardingPolicy
 from zpp.zero.reduce.overlap import LinkWaits, ReductionThread, ThreadReduction
 from zpp.zero.shard import FlatLayout, FlatShard, ShardState
+
+if TYPE_CHECKING:
+    from zpp.zero.gather.hpz import Secondaries
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +97,15 @@ class UnitComms:
         (``replaced``: set from outside the training, see :meth:`WeightGather.weights_changed`)."""
         for g in {id(g): g for g in self.gathers.values()}.values():
             g.weights_changed(flat, replaced=replaced)
+
+    def resumable(self) -> Secondaries | None:
+        """The gathers' state a checkpoint holds (:meth:`WeightGather.resumable`: the forward's
+        and the backward's share one), or None."""
+        stores = {id(s): s for s in (g.resumable() for g in self.gathers.values()) if s is not None}
+        if len(stores) > 1:
+            raise RuntimeError(f"UnitComms: the gathers keep {len(stores)} states across steps; a checkpoint "
+                               "holds one")
+        return next(iter(stores.values()), None)
 
 
 class Started(NamedTuple):

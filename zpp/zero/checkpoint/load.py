@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -58,11 +59,14 @@ from zpp.zero.checkpoint.save import (
     FORMAT,
     META_JSON,
     META_PT,
+    copies_name,
     manifest_crc,
     mode_file_name,
     mode_key,
     shard_name,
 )
+
+log = logging.getLogger("zpp.zero")
 
 
 @dataclasses.dataclass
@@ -75,6 +79,7 @@ class _Read:
     extra: dict[str, Any]  # meta.pt
     client_state: dict
     modes: list[tuple[Any, Any, bool]]  # (mode, its per-rank or replicated state or None, whether it is its own)
+    copies: tuple[Any, dict[int, dict], str | None] | None  # (store, the slices it holds again, why not all)
     load_optimizer: bool
     load_scheduler: bool
     load_counters: bool
@@ -118,7 +123,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: Any = None, load_m
     own = None
     try:
         read = _read(engine, root, tag, strict=load_module_strict, **want)
-        mine = {"ok": True, "found": read is not None, "tag": None if read is None else read.path.name}
+        mine = {"ok": True, "found": read is not None, "tag": None if read is None else read.path.name,
+                "copies": _copies_plan(read)}
     except Exception as e:  # noqa: BLE001 - see [Note: agreement]
         mine, own = {**failure(e), "found": None, "tag": None}, e
     results = exchange(world, mine, during=f"load_checkpoint({root}): the ranks were agreeing on what they read")
@@ -135,6 +141,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: Any = None, load_m
             warnings.warn(f"load_checkpoint: no tag given and no {root / pub.LATEST}: nothing loaded",
                           stacklevel=3)
         return None, None
+    _agree_copies(read, results)
     _apply(engine, read)
     return str(read.path), read.client_state
 
@@ -179,7 +186,56 @@ def _read(engine, root: Path, tag: Any, *, strict: bool, optimizer: bool, schedu
     client = load_torch(path / CLIENT_STATE, record(CLIENT_STATE), tag) if files is not None else {}
     unit_optimizer = optimizer and not any(m.owns_optimizer_state for m in engine.modes)
     units = [(u, functools.partial(_unit_values, u, by_name, unit_optimizer)) for u in engine.units]
-    return _Read(path, meta, units, extra, client, modes, optimizer, scheduler, counters)
+    copies = _read_copies(engine, path, meta, tag, record, by_name)
+    return _Read(path, meta, units, extra, client, modes, copies, optimizer, scheduler, counters)
+
+
+def _read_copies(engine, path: Path, meta: dict, tag: str, record,
+                 by_name: Mapping[str, Any]) -> tuple[Any, dict[int, dict], str | None] | None:
+    """The gathers' store of copies, the saved slices it will hold again and why not all
+    (see [Note: the copies in checkpoints] in zpp/zero/gather/delta.py); None: no store.
+    Nothing changes."""
+    store = engine.comms.resumable() if engine.policy.shard_parameters else None
+    if store is None:
+        return None
+    if meta["world_size"] != engine.job_world.world_size:
+        return store, {}, f"the checkpoint's world size is {meta['world_size']}, this job's " \
+                          f"{engine.job_world.world_size}"
+    f = path / copies_name(engine.job_world.rank - store.topology.rank + store.saved_by())
+    saved = None
+    if meta.get("files") is not None and f.name in meta["files"]:
+        obj = load_torch(f, record(f.name), tag, mapped=True)
+        _check_save_id(obj, meta, f, tag)
+        saved = obj["copies"]
+    return store, *store.plan(saved, engine.units, lambda u: all(n in by_name for n in u.names))
+
+
+def _agree_copies(read: _Read, results: list[dict]) -> None:
+    """Every rank holds the same units' copies again, or none does (see [Note: the copies
+    in checkpoints] in zpp/zero/gather/delta.py)."""
+    plans = [r.get("copies") for r in results]
+    if read.copies is not None and any(p != plans[0] for p in plans):
+        read.copies = (read.copies[0], {}, "the ranks' saved copies are of different units (one rank's world "
+                                           "gather beside another's node gather would not be one collective)")
+
+
+def _copies_plan(read: _Read | None) -> list | None:
+    """What this rank's store would hold again, in a form the ranks compare."""
+    if read is None or read.copies is None:
+        return None
+    return sorted((i, bool(s["stale"])) for i, s in read.copies[1].items())
+
+
+def _restore_copies(engine, read: _Read) -> None:
+    if read.copies is None:
+        return
+    store, use, reason = read.copies
+    store.restore(use, engine.units)
+    if reason is not None and engine.job_world.rank == 0:
+        held = f"hpZ's weight-delta copies (but the {len(use)} units' held again)" if use else \
+            "hpZ's weight-delta copies"
+        log.warning("zpp: load_checkpoint: %s start again from a world gather (the resumed forward weights "
+                    "differ from the uninterrupted run's within the quantization error): %s", held, reason)
 
 
 def _replica(engine, meta: dict) -> int:
@@ -416,6 +472,7 @@ def _apply(engine, read: _Read) -> None:
             for m in engine.modes:
                 m.optimizer_state_loaded(u)
         del values, state
+    _restore_copies(engine, read)  # after every unit's weights: loading them dropped the copies
     if read.load_optimizer:
         for g, saved in zip(opt.param_groups, read.extra["param_groups"], strict=True):
             g.update(saved)

@@ -8,6 +8,9 @@ Layout of ``save_dir/tag/`` (format 2)::
                              (the modes' per-element state among them, as
                              ``<mode>.<key>``: the outer anchor and momentum),
                              with the unit's names and sizes; see [Note: resharding]
+    hpz_copies_rank00000.pt  with weight deltas (``zpp.weight_delta_bits``), per rank of the
+                             first node: the rank's slices of hpZ's node copy (see [Note:
+                             the copies in checkpoints] in zpp/zero/gather/delta.py)
     <file>_rank00000.pt ...  each mode's per-rank state, if it has one (see [Note: mode
                              state in checkpoints] in zpp/zero/modes/base.py):
                              ``onebit_optim_rankR.pt`` with a 1-bit optimizer (its state),
@@ -77,6 +80,12 @@ COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
 
 def shard_name(rank: int) -> str:
     return f"shard_rank{rank:05d}.pt"
+
+
+def copies_name(rank: int) -> str:
+    """The file of rank ``rank``'s weight-delta copies (see [Note: the copies in checkpoints]
+    in zpp/zero/gather/delta.py)."""
+    return f"hpz_copies_rank{rank:05d}.pt"
 
 
 def mode_file_name(mode, rank: int) -> str:
@@ -243,6 +252,12 @@ def _write_rank_files(engine, staging: Path, tag: str, save_id: str, client_stat
         if m.per_rank_file is not None:
             put(mode_file_name(m, rank), {"rank": rank, "world_size": world.world_size, "save_id": save_id,
                                           mode_key(m): m.state_dict()})
+    store = engine.comms.resumable() if engine.policy.shard_parameters else None
+    # one node's ranks write them: the other nodes hold the same (see [Note: the copies in
+    # checkpoints] in zpp/zero/gather/delta.py)
+    if store is not None and store.saved_by() == store.topology.rank:
+        put(copies_name(rank), {"rank": rank, "world_size": world.world_size, "save_id": save_id,
+                                "copies": store.state_dict(engine.units)})
     if engine.comms.degree > 1 or engine.world.rank == 0:  # unsharded: a replica's ranks hold the same values
         put(shard_name(rank), {"format": FORMAT, "save_id": save_id, "rank": rank, "world_size": world.world_size,
                                "units": _unit_entries(engine, exclude_frozen)})

@@ -34,12 +34,24 @@ parameters' dtype), where plain hpZ frees it at the step; a refresh in flight ho
 slice's differences in fp32 (``numel / k`` elements) until it is waited. Forward and backward
 of a step see the same weights (the refreshed copy).
 
-The copies are not in a checkpoint: after ``load_checkpoint`` every unit starts again from
-a world gather, so a resumed run's forward weights (within the quantization error) are not
-those of the uninterrupted run, as they are with plain hpZ, which rebuilds its copy every
-step. A refresh that completes after the weights changed again (a gather started before a
-step and waited after it) leaves the copy marked out of date, so the next gather refreshes
-it once more.
+A refresh that completes after the weights changed again (a gather started before a step
+and waited after it) leaves the copy marked out of date, so the next gather refreshes it
+once more.
+
+[Note: the copies in checkpoints]
+A copy is not the weights (it trails them by one quantization error) and no rank can
+rebuild it from the weights alone, so ``save_checkpoint`` writes each rank's slices, with
+whether each is out of date, to its own file (``hpz_copies_rankNNNNN.pt``, checksummed
+with the rest), and ``load_checkpoint`` holds them again after the weights are loaded: the
+resumed run's forward weights, losses and updates are those of the uninterrupted run, bit
+for bit (tests/test_zero_weight_delta.py). Memory and disk: ``numel / k`` elements per unit
+and rank, the copies' dtype. A slice is used only where it sits where it was saved (the
+same world size, nodes and ranks per node, layout and rank), its unit has the same
+parameter names and padded size, and its weights came from the same checkpoint; the ranks
+agree on that before any is used (one rank's world gather beside another's node gather
+would not be one collective). Where they cannot be used (another world, another model's
+units, a checkpoint saved without deltas), the units start again from a world gather, as
+every unit's first gather does, and rank 0 logs how many and why.
 """
 from __future__ import annotations
 
@@ -112,6 +124,9 @@ class DeltaSecondaryGather(SecondaryGather):
 
     def outdated(self, flat: FlatShard) -> None:
         self.secondaries.mark_stale(flat)  # (kept: the next gather refreshes it from what it holds)
+
+    def resumable(self) -> Secondaries:
+        return self.secondaries
 
     def kept(self, flat: FlatShard) -> list[torch.Tensor]:
         held = self.secondaries.held(flat)

@@ -31,7 +31,8 @@ slice. The node gathers such slices in one all-gather per node's row of the buff
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +42,7 @@ from zpp.zero.comm_api import Comms, WeightGather
 if TYPE_CHECKING:
     from zpp.comm.topology import Topology
     from zpp.zero.shard import FlatShard
+    from zpp.zero.unit import Unit
 
 
 class SecondaryState(enum.Enum):
@@ -139,6 +141,72 @@ class Secondaries:
         """The weights of ``flat`` (None: every unit) changed; keep the slices, stale."""
         self._changed(flat)
         self._stale.update(self._held if flat is None else [id(flat)] if id(flat) in self._held else [])
+
+    # ------------------------------------------------------------------ checkpoints
+    def where(self) -> dict[str, Any]:
+        """Where this rank's slices sit: a copy saved elsewhere holds other entries. In the
+        counterparts layout the ranks with one local rank hold the same entries on every
+        node, bit for bit (see [Note: the delta refresh]): the local rank says which."""
+        t = self.topology
+        return {"layout": "counterparts" if self.counterparts else "contiguous", "world_size": t.world_size,
+                "nodes": t.nodes, "ranks_per_node": t.ranks_per_node,
+                "slot": t.local_rank if self.counterparts else t.rank}
+
+    def saved_by(self) -> int:
+        """The rank of this store's world whose saved slices this rank holds again: in the
+        counterparts layout its counterpart on the first node (the others hold the same
+        slices and do not write them), else itself."""
+        return self.topology.local_rank if self.counterparts else self.topology.rank
+
+    def state_dict(self, units: Sequence[Unit]) -> dict[str, Any]:
+        """This rank's slices of ``units`` (each with its parameter names and whether it is
+        stale) and :meth:`where` they sit; see [Note: the copies in checkpoints] in
+        :mod:`~zpp.zero.gather.delta`. The slices themselves, not copies of them."""
+        held = {}
+        for u in units:
+            slot = self._held.get(id(u.flat))
+            if slot is not None:
+                held[u.index] = {"names": list(u.names), "copy": slot[1], "stale": id(u.flat) in self._stale}
+        return {**self.where(), "units": held}
+
+    def plan(self, state: dict[str, Any] | None, units: Sequence[Unit],
+             loaded: Callable[[Unit], bool]) -> tuple[dict[int, dict[str, Any]], str | None]:
+        """What :meth:`restore` would set from a saved :meth:`state_dict` (nothing changes):
+        the saved slices by unit index, and why none or only some can be used (None: all).
+        A unit's slice is used when it sits where it sat, its unit has the same parameter
+        names and padded size, and ``loaded(unit)`` (its weights came from the same
+        checkpoint)."""
+        if state is None:
+            return {}, "the checkpoint holds no copies (saved without weight deltas, or by an older zpp)"
+        here = self.where()
+        moved = [f"{k} {state.get(k)!r} -> {v!r}" for k, v in here.items() if state.get(k) != v]
+        if moved:
+            return {}, "the copies sat elsewhere (" + ", ".join(moved) + ")"
+        saved = state["units"]
+        width = self.topology.ranks_per_node
+        use = {}
+        for u in units:
+            s = saved.get(u.index)
+            if (s is not None and s["names"] == list(u.names) and loaded(u)
+                    and s["copy"].numel() * width == u.layout.padded_numel and s["copy"].dtype == u.flat.dtype):
+                use[u.index] = s
+        skipped = len(saved) - len(use)
+        return use, (f"{skipped} of the {len(saved)} saved copies do not fit this model's units" if skipped else None)
+
+    def restore(self, use: dict[int, dict[str, Any]], units: Sequence[Unit]) -> None:
+        """Hold the slices :meth:`plan` chose, in their saved state (after the units' weights
+        were loaded, which dropped what was held)."""
+        for u in units:
+            s = use.get(u.index)
+            if s is None:
+                continue
+            copy = torch.empty(s["copy"].numel(), dtype=u.flat.dtype, device=u.flat.device)
+            copy.copy_(s["copy"])
+            self._held[id(u.flat)] = (u.flat, copy)
+            if s["stale"]:
+                self._stale.add(id(u.flat))
+            else:
+                self._stale.discard(id(u.flat))
 
     def drop(self, flat: FlatShard | None = None) -> None:
         """Drop ``flat``'s secondary shard (None: every unit's)."""
