@@ -370,3 +370,19 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path):
             assert len(r["from plain log"]) == 1 and "holds no copies" in r["from plain log"][0], r["from plain log"]
         else:
             assert r["from plain log"] == []
+
+
+def test_ranks_that_would_hold_different_copies_hold_none():
+    """If the ranks' plans differ (one would gather a unit inside the node, another over the
+    world), no rank holds any copy again: the units start from a world gather everywhere."""
+    import types
+
+    from zpp.zero.checkpoint.load import _agree_copies, _copies_plan
+    saved = {0: {"stale": True}, 1: {"stale": False}}
+    read = types.SimpleNamespace(copies=("store", dict(saved), None))
+    same = [{"copies": _copies_plan(read)}, {"copies": [(0, True), (1, False)]}]
+    _agree_copies(read, same)
+    assert read.copies == ("store", saved, None)
+    _agree_copies(read, [*same, {"copies": [(0, True)]}])
+    store, use, reason = read.copies
+    assert store == "store" and use == {} and "different units" in reason

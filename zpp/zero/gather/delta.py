@@ -40,13 +40,15 @@ once more.
 
 [Note: the copies in checkpoints]
 A copy is not the weights (it trails them by one quantization error) and no rank can
-rebuild it from the weights alone, so ``save_checkpoint`` writes each rank's slices, with
-whether each is out of date, to its own file (``hpz_copies_rankNNNNN.pt``, checksummed
-with the rest), and ``load_checkpoint`` holds them again after the weights are loaded: the
-resumed run's forward weights, losses and updates are those of the uninterrupted run, bit
-for bit (tests/test_zero_weight_delta.py). Memory and disk: ``numel / k`` elements per unit
-and rank, the copies' dtype. A slice is used only where it sits where it was saved (the
-same world size, nodes and ranks per node, layout and rank), its unit has the same
+rebuild it from the weights alone, so ``save_checkpoint`` writes the slices, with whether
+each is out of date: each rank of the first node to a file of its own
+(``hpz_copies_rankNNNNN.pt``, checksummed with the rest); the other nodes hold the same
+slices bit for bit and read their counterpart's. ``load_checkpoint`` holds them again after
+the weights are loaded: the resumed run's forward weights, losses and updates are those of
+the uninterrupted run, bit for bit (tests/test_zero_weight_delta.py). Disk: one copy of the
+weights in their dtype (``numel / k`` elements per unit and rank of the first node). A slice
+is used only where it sits where it was saved (the same world size, nodes and ranks per
+node, layout and local rank), its unit has the same
 parameter names and padded size, and its weights came from the same checkpoint; the ranks
 agree on that before any is used (one rank's world gather beside another's node gather
 would not be one collective). Where they cannot be used (another world, another model's
