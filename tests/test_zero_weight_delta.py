@@ -12,12 +12,14 @@ on 2 nodes x 2 spawned gloo ranks.
 * Weights replaced from outside training (GatheredParameters) are gathered again over the
   world, not patched by a delta.
 * Configs it cannot serve raise a ValueError naming the value.
+* Checkpoints hold the copies: a resumed run continues bit for bit (gloo and MPI); a
+  checkpoint without them restarts them from a world gather, logged.
 """
 import pytest
 import torch
 
 import zpp.zero as zz
-from tests.dist import run_world
+from tests.dist import needs_mpi, run_world
 from tests.gpt import GPT, CharCorpus, GPTConfig
 from zpp.comm.collectives import effective_group_size
 from zpp.quant import reference as ref
@@ -347,12 +349,13 @@ def _resume_run(t, root):
 
 
 @pytest.mark.timeout(200)
-def test_a_resumed_run_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=needs_mpi)])
+def test_a_resumed_run_continues_bit_for_bit(tmp_path, backend):
     """The copies are in the checkpoint (once: the first node's): a run resumed from it
     computes the uninterrupted run's losses and weights bit for bit, with no world gather;
     without them (as before they were saved) it does not. A checkpoint without copies starts
     them from a world gather, and rank 0 says why."""
-    results = run_world(_resume_run, 4, ranks_per_node=2, args=(str(tmp_path),), timeout=170)
+    results = run_world(_resume_run, 4, backend=backend, ranks_per_node=2, args=(str(tmp_path),), timeout=170)
     for rank, r in enumerate(results):
         assert r["resumed"] == r["uninterrupted"], (rank, r["resumed"], r["uninterrupted"])
         for i, w in r["weights"].items():
