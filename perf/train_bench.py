@@ -65,6 +65,9 @@ VARIANTS = {
     "zero3-zeropp-gg2048": {"stage": 3, **_ZEROPP, "zpp": {"gradient_group_size": 2048}},
     # hpZ's node copy kept across steps and refreshed by int4 weight deltas (zpp.weight_delta_bits)
     "zero3-zeropp-delta4": {"stage": 3, **_ZEROPP, "zpp": {"weight_delta_bits": 4}},
+    # the per-call metadata check on, as a job starts (the bench's other rows switch it off)
+    "zero3-zeropp-checked": {"stage": 3, **_ZEROPP, "zpp": {"check_metadata": True}},
+    "zero3-zeropp-delta4-checked": {"stage": 3, **_ZEROPP, "zpp": {"weight_delta_bits": 4, "check_metadata": True}},
     # the prefetch window measured on a timed pass ("auto") or fixed at DeepSpeed's 5e7 elements,
     # zpp's default (the measured window was the default for a few hours of 2026-12-07: the plain
     # zero3 / zero3-zeropp rows of perf/results/prefetch_window-*.json)
