@@ -299,3 +299,48 @@ def test_local_argument_errors():
     assert effective_group_size(64, 0) == 2
     with pytest.raises(ValueError, match="group_size=3"):
         effective_group_size(3, 100)
+
+
+def _agreed_round_trips(t):
+    """Metadata round trips of qwZ's gather, flat and in two hops, and what a rank that
+    disagrees on the bits gets (see [Note: agreed calls] in zpp/comm/transport.py)."""
+    from zpp.comm.torch_backend import TorchTransport
+
+    topo = topology_of(t)
+    calls = [0]
+    plain = TorchTransport._meta_all_gather
+
+    def counted(self, out, inp):
+        calls[0] += 1
+        return plain(self, out, inp)
+
+    n = 40
+    shard = torch.randn(n, generator=torch.Generator().manual_seed(t.rank))
+    out = {}
+    TorchTransport._meta_all_gather = counted
+    try:
+        for name, kw in (("flat", {}), ("two hops", {"topology": topo})):
+            got = torch.empty(t.world_size * n)
+            calls[0] = 0
+            quantized_all_gather_async(got, shard, transport=t, bits=8, group_size=8, **kw).wait()
+            out[name] = (calls[0], got)
+    finally:
+        TorchTransport._meta_all_gather = plain
+    with pytest.raises(ValueError, match=r"disagree.*bits=4") as e:
+        got = torch.empty(t.world_size * n)
+        quantized_all_gather_async(got, shard, transport=t, bits=4 if t.rank == 1 else 8, group_size=8,
+                                   topology=topo).wait()
+    out["message"] = str(e.value)
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_quantized_gather_checks_its_calls_in_one_round_trip():
+    """The size check over the world agrees on everything the gather's calls depend on, so
+    the calls started with it make no round trip of their own: one in all, flat; two in two
+    hops (the second hop, made at wait(), checks itself). Same bits either way; a rank with
+    other bits makes every rank raise, naming them."""
+    for r in run_world(_agreed_round_trips, 4, ranks_per_node=2, timeout=120):
+        assert r["flat"][0] == 1 and r["two hops"][0] == 2, (r["flat"][0], r["two hops"][0])
+        assert torch.equal(r["flat"][1], r["two hops"][1])
+        assert "rank 1:" in r["message"] and "bits=8" in r["message"], r["message"]

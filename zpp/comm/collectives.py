@@ -35,8 +35,10 @@ from typing import NamedTuple
 import torch
 
 import zpp.quant as zq
-from zpp.comm.transport import Transport, Work
+from zpp.comm.transport import Transport, Work, agreed, dtype_code
 from zpp.quant.types import DEFAULT_GROUP_SIZE, check_params
+
+_QAG_TAG = 0x514147  # "QAG": a quantized all-gather's agreement, told apart from other check_agree calls
 
 __all__ = [
     "effective_group_size",
@@ -135,17 +137,22 @@ def quantized_all_gather_async(
         )
     if not out.is_contiguous():
         raise ValueError(f"quantized_all_gather: out must be contiguous ({out.shape=} {out.stride()=})")
-    # padding hides a shard-size mismatch from the transport's own check
-    transport.check_agree("quantized_all_gather", (shard.numel(),), ("shard numel",))
     group_size = effective_group_size(group_size, shard.numel())
+    hops = 2 if two_hop(topology) else 1
+    # padding hides a shard-size mismatch from the transport's own check; these values fix
+    # every call below (op, sizes, dtypes), so the calls started at once skip their own
+    # checks (see [Note: agreed calls] in zpp.comm.transport)
+    transport.check_agree("quantized_all_gather",
+                          (_QAG_TAG, shard.numel(), bits, group_size, dtype_code(shard.dtype), hops),
+                          ("call", "shard numel", "bits", "group size", "dtype#", "hops"))
     q = zq.quantize(shard, bits=bits, group_size=group_size)
     # codes and scales travel as one message (one collective per hop instead of two: on a
     # slow or busy network each call costs its latency); the bytes are the same
     ncodes = q.data.numel()
     payload = torch.cat([q.data.reshape(-1), q.scales.reshape(-1).contiguous().view(torch.uint8)])
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=shard.device)
-    with transport.counters.collective("quantized_all_gather", out.numel() * out.element_size()):
-        if two_hop(topology):
+    with transport.counters.collective("quantized_all_gather", out.numel() * out.element_size()), agreed():
+        if hops == 2:  # (its second hop, at wait(), checks itself)
             work = hierarchical_all_gather_async(gathered, payload, topology=topology, name="quantized_all_gather")
         else:
             work = transport.all_gather_async(gathered, payload)

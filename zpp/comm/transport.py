@@ -15,6 +15,16 @@ queue behind whatever that link carries; :func:`check_seconds` says how long eac
 has spent there, and the engine books its training thread's share as a link wait (phase
 ``metadata`` of :class:`~zpp.zero.reduce.overlap.LinkWaits`).
 
+[Note: agreed calls]
+A collective built of several calls (qwZ's gather: a size check, then an all-gather, over the
+world or in hops) need not check each call: once one ``check_agree`` over every rank
+involved has agreed on values that fix the calls' ops, element counts and dtypes (the
+shard's size, the bits, the group size, the dtypes, one hop or two), the calls started right
+after it, before this thread makes any other call, cannot disagree; inside ``agreed()`` they
+skip their own checks. A call made later (a two-hop gather's second hop, run at ``wait()``,
+after other calls may have been made) keeps its check: it is what catches ranks that wait
+their works in different orders.
+
 [Note: asynchronous collectives]
 ``all_gather_async(out, inp)`` starts the all-gather and returns a :class:`Work`; ``out``
 holds the result once ``work.wait()`` returns. Validation, the metadata check (itself a
@@ -43,6 +53,7 @@ on every transport of that world refuses calls with ``RuntimeError``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 import time
 import weakref
@@ -60,7 +71,28 @@ _DTYPE_CODES = {
 }
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The metadata check's number for ``dtype`` (0: one it does not name)."""
+    return _DTYPE_CODES.get(dtype, 0)
+
 _check_s: dict[int, float] = {}  # thread ident -> seconds; each entry written by its own thread
+_agreed = threading.local()  # .depth: calls on this thread inside agreed() blocks skip their check
+
+
+@contextlib.contextmanager
+def agreed():
+    """The calls this thread makes inside the block skip their own metadata check: the caller
+    has just made every rank they involve agree, with one :meth:`Transport.check_agree` over
+    a transport spanning those ranks, on values that fix every such call's op and sizes, and
+    starts them before any other call. One round trip instead of one per call; see [Note:
+    agreed calls]."""
+    depth = getattr(_agreed, "depth", 0)
+    _agreed.depth = depth + 1
+    try:
+        yield
+    finally:
+        _agreed.depth = depth
 
 
 def check_seconds(thread: int | None = None) -> float:
@@ -408,7 +440,7 @@ class Transport(abc.ABC):
                         f"{self.rank}; wait() that work before using its output")
 
     def _meta(self, op: str, t: torch.Tensor, extra: int = 0) -> None:
-        if not self.check_metadata or self.world_size == 1:
+        if not self.check_metadata or self.world_size == 1 or getattr(_agreed, "depth", 0):
             return
         self._agree(op, (_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra), ("op", "numel", "dtype#", "arg"))
 

@@ -36,13 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zpp.comm.transport import Work
+from zpp.comm.transport import Work, agreed, dtype_code
 from zpp.zero.comm_api import Comms, WeightGather
 
 if TYPE_CHECKING:
     from zpp.comm.topology import Topology
     from zpp.zero.shard import FlatShard
     from zpp.zero.unit import Unit
+
+
+_ROWS_TAG = 0x48525A  # "HRZ": the node gather of counterpart slices, told apart from other check_agree calls
 
 
 class SecondaryState(enum.Enum):
@@ -126,7 +129,11 @@ class Secondaries:
         # ranks in local-rank order, so each lands in place (no staging buffer, no reordering)
         nodes = self.topology.nodes
         rows, parts = full.view(nodes, -1), secondary.view(nodes, -1)
-        works = [intra.all_gather_async(rows[m], parts[m]) for m in range(nodes)]
+        # one round trip for the rows' checks (see [Note: agreed calls] in zpp.comm.transport)
+        intra.check_agree("hpz_gather", (_ROWS_TAG, nodes, secondary.numel(), dtype_code(secondary.dtype)),
+                          ("call", "rows", "slice numel", "dtype#"))
+        with agreed():
+            works = [intra.all_gather_async(rows[m], parts[m]) for m in range(nodes)]
 
         def finish() -> None:
             for work in works:
