@@ -12,6 +12,8 @@ resumed run gives the uninterrupted run's losses (Lightning: DDP's resumed run's
 model the Trainer saves loads into a plain ``from_pretrained`` with DDP's weights, and
 ``from_pretrained`` under ZeRO-3 (partitioned construction, weights loaded into the
 partitions) gives the checkpoint's weights and DDP's training.
+The Trainer also resumes a ZeRO++ run with weight deltas on 2 emulated nodes x 2 bit for bit
+(the checkpoint holds hpZ's node copies).
 perf/frontends_check.py compares the same runs with real DeepSpeed 0.19.8.
 """
 from __future__ import annotations
@@ -113,6 +115,25 @@ def _check_export(zpp_dir, ddp_dir):
     # tensor is off by the weights' own size (~2e-2)
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=2e-4), (k, (a[k] - b[k]).abs().max())
+
+
+def test_trainer_resumes_weight_deltas_bit_for_bit(tmp_path):
+    """ZeRO++ with hpZ across 2 emulated nodes x 2 and int4 weight deltas, through the Trainer:
+    its checkpoint holds hpZ's node copies (the first node's files), and the run resumed from
+    step 10 logs the uninterrupted run's losses and learning rates, bit for bit."""
+    config = ["--stage", "3", "--zeropp", "--hpz", "2", "--zpp", '{"weight_delta_bits": 4}']
+    folder = tmp_path / "ckpt"
+    common = dict(engine="zpp", timeout=300, world=4, ranks_per_node=2)
+    full = harness.run("trainer", tmp_path / "full", **common,
+                       args=["--steps", str(STEPS), "--dir", str(folder), "--save-at", str(SAVE_AT), *config])
+    saved = folder / f"checkpoint-{SAVE_AT}" / f"global_step{SAVE_AT}"
+    assert sorted(p.name for p in saved.glob("hpz_copies_*")) == ["hpz_copies_rank00000.pt", "hpz_copies_rank00001.pt"]
+    resumed = harness.run("trainer", tmp_path / "resumed", **common, out="resumed.json",
+                          args=["--steps", str(STEPS), "--dir", str(tmp_path / "ckpt2"), *config,
+                                "--resume", str(folder / f"checkpoint-{SAVE_AT}")])
+    new = STEPS - SAVE_AT
+    assert resumed["losses"][-new:] == full["losses"][-new:], (resumed["losses"], full["losses"])
+    assert resumed["lrs"][-new:] == full["lrs"][-new:]
 
 
 def test_trainer_with_deepspeed_optimizer_and_warmup_lr(tmp_path):

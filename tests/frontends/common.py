@@ -49,6 +49,8 @@ def arguments(save_help: str, resume_help: str) -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["deepspeed", "ddp"], default="deepspeed")
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--zeropp", action="store_true")
+    p.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size (with --zeropp)")
+    p.add_argument("--zpp", default=None, help="zpp's own config section, as JSON (e.g. '{\"weight_delta_bits\": 4}')")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--gas", type=int, default=2)
     p.add_argument("--micro", type=int, default=2)
@@ -74,7 +76,7 @@ def tokens(n: int, seed: int = 3) -> torch.Tensor:
 
 
 def ds_config(stage: int, *, micro: int | None, gas: int | None, zeropp: bool = False, scheduler: dict | None = None,
-              optimizer: dict | None = None) -> dict:
+              optimizer: dict | None = None, hpz: int = 1, zpp: str | None = None) -> dict:
     """The DeepSpeed config; ``micro`` / ``gas`` None leave those keys to the front-end
     (Lightning refuses them in the config)."""
     zero: dict = {"stage": stage}
@@ -82,6 +84,8 @@ def ds_config(stage: int, *, micro: int | None, gas: int | None, zeropp: bool = 
         zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
     if zeropp:
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
+        if hpz > 1:
+            zero["zero_hpz_partition_size"] = hpz
     cfg = {"gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 1000,
            "zero_allow_untested_optimizer": True}  # Lightning reads it at stage 3 evaluation
     if micro is not None:
@@ -92,6 +96,8 @@ def ds_config(stage: int, *, micro: int | None, gas: int | None, zeropp: bool = 
         cfg["scheduler"] = scheduler
     if optimizer is not None:
         cfg["optimizer"] = optimizer
+    if zpp is not None:
+        cfg["zpp"] = json.loads(zpp)
     return cfg
 
 

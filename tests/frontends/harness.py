@@ -35,27 +35,32 @@ class ScriptFailed(AssertionError):
     pass
 
 
-def command(frontend: str, engine: str, args: list[str], python: str = sys.executable) -> list[str]:
+def command(frontend: str, engine: str, args: list[str], python: str = sys.executable, world: int = WORLD) -> list[str]:
     script = str(HERE / SCRIPTS[frontend])
     args = [*args, "--engine", "ddp"] if engine == "ddp" else list(args)
     if frontend == "lightning":
         launch = [python, script, *args]
     else:
-        launch = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
+        launch = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
                   str(dist._free_port()), script, *args]
     return [python, "-m", "zpp", "run", *launch] if engine == "zpp" else launch
 
 
 def run(frontend: str, workdir: Path, *, engine: str = "zpp", args: list[str] = (), timeout: float = 240,
-        python: str = sys.executable, out: str = "result.json") -> dict:
-    """Run the script in ``workdir``; returns its result record (see common.write_result)."""
+        python: str = sys.executable, out: str = "result.json", world: int = WORLD,
+        ranks_per_node: int | None = None) -> dict:
+    """Run the script in ``workdir`` on ``world`` ranks (Lightning: its own 2), with
+    ``ranks_per_node`` per emulated node (Default: one node); returns its result record (see
+    common.write_result)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in _STRIP}
     env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(dist._free_port()), TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if ranks_per_node is not None:
+        env["ZPP_RANKS_PER_NODE"] = str(ranks_per_node)
     if engine == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/ds_ext"))
-    cmd = command(frontend, engine, [*args, "--out", out], python)
+    cmd = command(frontend, engine, [*args, "--out", out], python, world)
     limit = dist.world_timeout(timeout)
     with open(workdir / "output.log", "w+b") as log:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,

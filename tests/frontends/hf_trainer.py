@@ -37,7 +37,8 @@ class Tokens(torch.utils.data.Dataset):
 
 ds_config = None
 if args.engine == "deepspeed":
-    ds_config = common.ds_config(args.stage, micro=args.micro, gas=args.gas, zeropp=args.zeropp)
+    ds_config = common.ds_config(args.stage, micro=args.micro, gas=args.gas, zeropp=args.zeropp, hpz=args.hpz,
+                                 zpp=args.zpp)
     ds_config.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
                      gradient_clipping="auto", train_batch_size="auto")
     if args.stage == 3:  # as the Trainer's documented ZeRO-3 config: it fills 0.9 x hidden^2
