@@ -76,6 +76,7 @@ def dtype_code(dtype: torch.dtype) -> int:
     """The metadata check's number for ``dtype`` (0: one it does not name)."""
     return _DTYPE_CODES.get(dtype, 0)
 
+
 _check_s: dict[int, float] = {}  # thread ident -> seconds; each entry written by its own thread
 _agreed = threading.local()  # .depth: calls on this thread inside agreed() blocks skip their check
 

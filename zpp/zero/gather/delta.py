@@ -48,10 +48,9 @@ the weights are loaded: the resumed run's forward weights, losses and updates ar
 the uninterrupted run, bit for bit (tests/test_zero_weight_delta.py). Disk: one copy of the
 weights in their dtype (``numel / k`` elements per unit and rank of the first node). A slice
 is used only where it sits where it was saved (the same world size, nodes and ranks per
-node, layout and local rank), its unit has the same
-parameter names and padded size, and its weights came from the same checkpoint; the ranks
-agree on that before any is used (one rank's world gather beside another's node gather
-would not be one collective). Where they cannot be used (another world, another model's
+node, layout and local rank), its unit has the same parameter names and padded size, and
+its weights came from the same checkpoint; the ranks agree on that before any is used (one
+rank's world gather beside another's node gather would not be one collective). Where they cannot be used (another world, another model's
 units, a checkpoint saved without deltas), the units start again from a world gather, as
 every unit's first gather does, and rank 0 logs how many and why.
 """
