@@ -21,6 +21,7 @@ import torch
 import zpp.zero as zz
 from tests.dist import needs_mpi, run_world
 from tests.gpt import GPT, CharCorpus, GPTConfig
+from tests.test_zero_engine import train_steps
 from zpp.comm.collectives import effective_group_size
 from zpp.quant import reference as ref
 from zpp.zero.deepspeed_config import from_deepspeed
@@ -288,16 +289,6 @@ def test_a_gather_that_outlives_a_weight_change_leaves_the_copy_out_of_date():
         assert r["delta-closed"] == r["hpz-closed"] == "absent", r  # close() lets the copies go
 
 
-def _train(engine, batches):
-    losses = []
-    for x, y in batches:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _resume_run(t, root):
     import logging
     from pathlib import Path
@@ -307,9 +298,9 @@ def _resume_run(t, root):
     half = STEPS // 2
     out = {}
     a = _engine(t, _config())
-    _train(a, batches[:half])
+    train_steps(a, batches[:half])
     a.save_checkpoint(root, "mid")
-    out["uninterrupted"] = _train(a, batches[half:])
+    out["uninterrupted"] = train_steps(a, batches[half:])
     out["weights"] = _exact(t, a)
     a.close()
     mine = Path(root, "mid", f"hpz_copies_rank{t.rank % 2:05d}.pt")  # its counterpart's on the first node
@@ -323,14 +314,14 @@ def _resume_run(t, root):
             b.comms.weights_changed(replaced=True)
         gathers = _delta_gathers(b)
         before = sum(gg.world_gathers for gg in gathers)
-        out[name] = _train(b, batches[half:])
+        out[name] = train_steps(b, batches[half:])
         out[name + " world gathers"] = sum(gg.world_gathers for gg in gathers) - before
         if not drop:
             out["resumed weights"] = _exact(t, b)
         b.close()
     # a checkpoint saved without the deltas: the copies start again from a world gather, and rank 0 says why
     c = _engine(t, _config(None))
-    _train(c, batches[:1])
+    train_steps(c, batches[:1])
     c.save_checkpoint(root, "plain")
     c.close()
     seen = []
@@ -341,7 +332,7 @@ def _resume_run(t, root):
     d.load_checkpoint(root, "plain")
     logging.getLogger("zpp.zero").removeHandler(handler)
     gathers = _delta_gathers(d)
-    out["from plain"] = _train(d, batches[1:2])
+    out["from plain"] = train_steps(d, batches[1:2])
     out["from plain world gathers"] = sum(gg.world_gathers for gg in gathers)
     out["from plain log"] = [m for m in seen if "weight-delta copies" in m]
     d.close()

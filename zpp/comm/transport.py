@@ -443,7 +443,7 @@ class Transport(abc.ABC):
     def _meta(self, op: str, t: torch.Tensor, extra: int = 0) -> None:
         if not self.check_metadata or self.world_size == 1 or getattr(_agreed, "depth", 0):
             return
-        self._agree(op, (_OPS[op], t.numel(), _DTYPE_CODES.get(t.dtype, 0), extra), ("op", "numel", "dtype#", "arg"))
+        self._agree(op, (_OPS[op], t.numel(), dtype_code(t.dtype), extra), ("op", "numel", "dtype#", "arg"))
 
     def check_agree(self, what: str, values: Sequence[int], names: Sequence[str] | None = None) -> None:
         """Raise the same ``ValueError`` on every rank unless all ranks pass equal ``values``.

@@ -156,8 +156,7 @@ class Secondaries:
         node, bit for bit (see [Note: the delta refresh]): the local rank says which."""
         t = self.topology
         return {"layout": "counterparts" if self.counterparts else "contiguous", "world_size": t.world_size,
-                "nodes": t.nodes, "ranks_per_node": t.ranks_per_node,
-                "slot": t.local_rank if self.counterparts else t.rank}
+                "nodes": t.nodes, "ranks_per_node": t.ranks_per_node, "slot": self.saved_by()}
 
     def saved_by(self) -> int:
         """The rank of this store's world whose saved slices this rank holds again: in the
